@@ -1,0 +1,71 @@
+"""Shared helpers for benchmark scripts: machine description and appending to RESULTS.md.
+
+Every benchmark prints its table and appends it here with the date, the machine and the exact
+command, so RESULTS.md is a log of what was measured where (newest at the bottom).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def machine_description() -> str:
+    """One line naming the machine: CPU count, memory, GPU if any, Python and key versions."""
+    parts = [f"{platform.machine()} {os.cpu_count()} cores"]
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+        parts.append(f"{kb / 2**20:.0f} GiB RAM")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            parts.append(f"GPU {torch.cuda.get_device_name(0)}")
+        parts.append(f"torch {torch.__version__}")
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        pass
+    parts.append(f"Python {platform.python_version()}")
+    return ", ".join(parts)
+
+
+def command_line() -> str:
+    """The command that ran this benchmark, as a user would retype it."""
+    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
+    """A GitHub-flavoured markdown table; floats keep the precision they were formatted with."""
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def append_result(title: str, body: str, *, command: str | None = None, machine: str | None = None) -> None:
+    """Append one dated section (title, machine, command, body) to benchmarks/RESULTS.md."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = (
+        f"\n## {title}\n\n"
+        f"- date: {stamp}\n"
+        f"- machine: {machine or machine_description()}\n"
+        f"- command: `{command or command_line()}`\n\n"
+        f"{body.rstrip()}\n"
+    )
+    if not RESULTS_MD.exists():
+        RESULTS_MD.write_text("# Benchmark results\n\nAppended by the scripts in this folder; newest last.\n")
+    with RESULTS_MD.open("a") as f:
+        f.write(section)

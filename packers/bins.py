@@ -1,0 +1,203 @@
+"""Bin planning: which samples go into which packed row.
+
+Pure functions over integer arrays (no I/O). `plan_bins(lengths, capacity, algorithm)` returns,
+for every row, the indices of the samples it holds. Algorithms live in the `ALGORITHMS`
+registry and are picked by name:
+
+- ``bfd`` (default): best-fit decreasing. Samples by decreasing length (ties: lower index
+  first); each goes to the open row with the least room that still fits it, else a new row.
+  The open rows are bucketed by remaining room, and a two-level bitset (machine words, plus a
+  word of non-empty words) finds the smallest room >= length in a few word operations, so a
+  sample costs ~1 us whatever the capacity: 1M lognormal samples plan in ~1.1 s at capacity
+  8192 on one core of the 2-core CI machine, 80,753 rows against a lower bound of 80,752.
+- ``ffd``: first-fit decreasing (the lowest-numbered row that fits), via a max segment tree
+  over rows. Fill is within a row of BFD on the mixes we measured; it is ~5x slower.
+- ``greedy``: order-preserving concatenation, a new row whenever the next sample does not
+  fit. What most loaders do today; fill drops by several percent on skewed mixes.
+
+Output order is canonical whatever the algorithm: the indices inside a row are ascending, and
+rows are ordered by their smallest index. The same input always gives the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+
+Algorithm = Literal["bfd", "ffd", "greedy"]
+
+
+def _check_lengths(lengths: np.ndarray | list[int], capacity: int) -> np.ndarray:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        bad = np.flatnonzero((arr < 1) | (arr > capacity))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"lengths[{i}] = {int(arr[i])} is outside [1, capacity={capacity}] "
+                f"({bad.size} such samples); apply an overlong policy (packers.apply_overlong) "
+                "and drop empty samples before planning"
+            )
+    return arr
+
+
+def _decreasing_order(lengths: np.ndarray) -> np.ndarray:
+    """Sample indices by decreasing length, ties by increasing index."""
+    return np.argsort(-lengths, kind="stable")
+
+
+def _assignment_bfd(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Row number for every sample under best-fit decreasing."""
+    order = _decreasing_order(lengths)
+    sorted_lengths = lengths[order].tolist()
+    words = [0] * ((capacity >> 6) + 1)  # bit (r & 63) of words[r >> 6]: some open row has room r
+    top = 0  # bit w set <=> words[w] != 0
+    rows_with_room: list[list[int] | None] = [None] * (capacity + 1)
+    num_rows = 0
+    row_of_sorted: list[int] = []
+    record = row_of_sorted.append
+    for length in sorted_lengths:
+        # smallest room r >= length among open rows, -1 if none
+        w = length >> 6
+        m = words[w] >> (length & 63)
+        if m:
+            room = length + (m & -m).bit_length() - 1
+        else:
+            t = top >> (w + 1)
+            if t:
+                w2 = w + (t & -t).bit_length()
+                m = words[w2]
+                room = (w2 << 6) + (m & -m).bit_length() - 1
+            else:
+                room = -1
+        if room >= 0:
+            bucket = rows_with_room[room]
+            row = bucket.pop()  # type: ignore[union-attr]
+            if not bucket:
+                w2 = room >> 6
+                nw = words[w2] ^ (1 << (room & 63))
+                words[w2] = nw
+                if not nw:
+                    top ^= 1 << w2
+        else:
+            row = num_rows
+            num_rows += 1
+            room = capacity
+        left = room - length
+        if left:
+            bucket = rows_with_room[left]
+            if bucket:
+                bucket.append(row)
+            else:
+                rows_with_room[left] = [row]
+                w2 = left >> 6
+                ow = words[w2]
+                if not ow:
+                    top |= 1 << w2
+                words[w2] = ow | (1 << (left & 63))
+        record(row)
+    assignment = np.empty(len(lengths), dtype=np.int64)
+    assignment[order] = row_of_sorted
+    return assignment
+
+
+def _assignment_ffd(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Row number for every sample under first-fit decreasing (segment tree of row rooms)."""
+    n = len(lengths)
+    order = _decreasing_order(lengths)
+    sorted_lengths = lengths[order].tolist()
+    size = 1
+    while size < max(n, 1):
+        size <<= 1
+    # Leaves: room of row j (rows not opened yet have the full capacity, so the first fit
+    # among all leaves is either an open row or the next new one).
+    tree = [capacity] * (2 * size)
+    row_of_sorted = [0] * n
+    num_rows = 0
+    for i, length in enumerate(sorted_lengths):
+        node = 1
+        while node < size:
+            node <<= 1
+            if tree[node] < length:
+                node += 1
+        row = node - size
+        row_of_sorted[i] = row
+        if row >= num_rows:
+            num_rows = row + 1
+        tree[node] -= length
+        node >>= 1
+        while node:
+            a, b = tree[2 * node], tree[2 * node + 1]
+            tree[node] = a if a > b else b
+            node >>= 1
+    assignment = np.empty(n, dtype=np.int64)
+    assignment[order] = row_of_sorted
+    return assignment
+
+
+def _assignment_greedy(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Row number for every sample under order-preserving next-fit concatenation."""
+    assignment = np.empty(len(lengths), dtype=np.int64)
+    row, used = 0, 0
+    for i, length in enumerate(lengths.tolist()):
+        if used + length > capacity:
+            row += 1
+            used = 0
+        used += length
+        assignment[i] = row
+    return assignment
+
+
+ALGORITHMS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
+    "bfd": _assignment_bfd,
+    "ffd": _assignment_ffd,
+    "greedy": _assignment_greedy,
+}
+
+
+def bins_from_assignment(assignment: np.ndarray) -> list[np.ndarray]:
+    """Group sample indices by row number, in canonical order (see module docstring)."""
+    if assignment.size == 0:
+        return []
+    by_row = np.argsort(assignment, kind="stable")  # ascending sample index within a row
+    counts = np.bincount(assignment)
+    ends = np.cumsum(counts)
+    groups = np.split(by_row, ends[:-1])
+    firsts = by_row[ends - counts]  # smallest sample index of each row
+    return [groups[j] for j in np.argsort(firsts, kind="stable").tolist()]
+
+
+def plan_bins(
+    lengths: np.ndarray | list[int], capacity: int, algorithm: Algorithm = "bfd"
+) -> list[np.ndarray]:
+    """Pack samples of the given lengths into rows of at most `capacity` tokens.
+
+    Returns one int64 array of sample indices per row. Every index appears in exactly one
+    row, no row's total exceeds `capacity`, and the result is deterministic. Lengths must be
+    in [1, capacity]: apply the overlong policy first (`packers.apply_overlong`).
+    """
+    try:
+        planner = ALGORITHMS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"algorithm={algorithm!r} is not known; choose one of {sorted(ALGORITHMS)}"
+        ) from None
+    arr = _check_lengths(lengths, capacity)
+    if arr.size == 0:
+        return []
+    return bins_from_assignment(planner(arr, int(capacity)))
+
+
+def lower_bound_rows(lengths: np.ndarray | list[int], capacity: int) -> int:
+    """ceil(total / capacity): no packing uses fewer rows."""
+    total = int(np.asarray(lengths, dtype=np.int64).sum())
+    return -(-total // capacity)
