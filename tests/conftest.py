@@ -36,3 +36,59 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"needs ../shared/data ({SHARED_DATA} is absent)")
     return SHARED_DATA
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's standalone S3 server on 127.0.0.1 (real HTTP), stopped at the end of the session.
+
+    Yields {"endpoint_url": ..., "storage_options": {...}} for s3fs; credentials are dummies
+    set in the environment so boto3/s3fs in subprocesses (Ray workers, CLIs) work too.
+    """
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        yield {
+            "endpoint_url": endpoint,
+            "storage_options": {"endpoint_url": endpoint, "key": "testing", "secret": "testing"},
+        }
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh, empty bucket on the moto server (created with boto3; s3fs's mkdir sends a
+    location constraint that moto rejects). Yields its name."""
+    import re
+    import uuid
+
+    import boto3
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    client = boto3.client(
+        "s3", endpoint_url=s3_server["endpoint_url"], aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    )
+    client.create_bucket(Bucket=name)
+    yield name
