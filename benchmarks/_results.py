@@ -55,7 +55,9 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(out)
 
 
-def append_result(title: str, body: str, *, command: str | None = None, machine: str | None = None) -> None:
+def append_result(
+    title: str, body: str, *, command: str | None = None, machine: str | None = None
+) -> None:
     """Append one dated section (title, machine, command, body) to benchmarks/RESULTS.md."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = (
@@ -66,6 +68,8 @@ def append_result(title: str, body: str, *, command: str | None = None, machine:
         f"{body.rstrip()}\n"
     )
     if not RESULTS_MD.exists():
-        RESULTS_MD.write_text("# Benchmark results\n\nAppended by the scripts in this folder; newest last.\n")
+        RESULTS_MD.write_text(
+            "# Benchmark results\n\nAppended by the scripts in this folder; newest last.\n"
+        )
     with RESULTS_MD.open("a") as f:
         f.write(section)

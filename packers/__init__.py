@@ -2,14 +2,33 @@
 shard format v1 (schema, writer, reader, manifest, index). Imports nothing of the other
 packages; numpy, pyarrow and fsspec only."""
 
-from packers.balance import CostModel, imbalance, part_loads, partition_balanced, partition_round_robin
+from packers.balance import (
+    CostModel,
+    imbalance,
+    part_loads,
+    partition_balanced,
+    partition_round_robin,
+)
 from packers.bins import ALGORITHMS, Algorithm, lower_bound_rows, plan_bins
 from packers.format import FORMAT_VERSION, INDEX_SCHEMA, SHARD_SCHEMA, FormatError
-from packers.overlong import OVERLONG_POLICIES, OverlongPolicy, OverlongResult, apply_overlong, padded_length
+from packers.overlong import (
+    OVERLONG_POLICIES,
+    OverlongPolicy,
+    OverlongResult,
+    apply_overlong,
+    padded_length,
+)
 from packers.reader import ShardDataset, ShardEntry
 from packers.rows import PackReport, build_rows, pack_table, row_index_stats
 from packers.validate import row_problems
-from packers.writer import DatasetWriter, ShardRecord, finalize_dataset, rows_per_batch_for, url_to_fs, write_shard
+from packers.writer import (
+    DatasetWriter,
+    ShardRecord,
+    finalize_dataset,
+    rows_per_batch_for,
+    url_to_fs,
+    write_shard,
+)
 
 __all__ = [
     "ALGORITHMS",

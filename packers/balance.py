@@ -11,9 +11,10 @@ dense transformer of hidden size 4096: per token ~24·h² FLOPs of matmuls per l
 document ~2·h·L² FLOPs of causal attention per layer, so attention weighs 2h / 24h² = 1/(12h)
 per squared token.
 
-`partition_balanced` is LPT with a cardinality cap (largest rows first, each to the least
-loaded rank that still has room), then pairwise swaps out of the heaviest rank while they lower
-it. It is a pure function: every rank computes the same answer from the same inputs.
+`partition_balanced` improves three starting splits (LPT with a cardinality cap, the snake
+deal of sorted costs, round-robin) by pairwise swaps out of the heaviest rank, and keeps the
+best, so it is never worse than round-robin. It is a pure function: every rank computes the
+same answer from the same inputs.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class CostModel:
 
     def row_costs(self, num_tokens: np.ndarray, attn_cost: np.ndarray) -> np.ndarray:
         """Cost of each row (float64)."""
-        return self.token_weight * np.asarray(num_tokens, dtype=np.float64) + self.attn_weight * np.asarray(
-            attn_cost, dtype=np.float64
-        )
+        return self.token_weight * np.asarray(
+            num_tokens, dtype=np.float64
+        ) + self.attn_weight * np.asarray(attn_cost, dtype=np.float64)
 
 
 def _check(costs: np.ndarray | list[float], num_parts: int) -> np.ndarray:
@@ -72,29 +73,56 @@ def partition_round_robin(num_items: int, num_parts: int) -> np.ndarray:
     return np.arange(num_items, dtype=np.int64) % num_parts
 
 
-def partition_balanced(costs: np.ndarray | list[float], num_parts: int, *, max_swaps: int = 256) -> np.ndarray:
+def partition_balanced(
+    costs: np.ndarray | list[float], num_parts: int, *, max_swaps: int = 64
+) -> np.ndarray:
     """Assign items to `num_parts` parts of equal size, minimising the largest part cost.
 
-    Returns the part of each item (int64). Deterministic: ties go to the lower index.
+    Three starts — LPT with a count cap, the snake order of sorted costs, and round-robin —
+    each improved by swaps out of the heaviest part; the best wins (ties: the earlier start).
+    So the result is never worse than round-robin. Returns the part of each item (int64);
+    deterministic, ties going to the lower index.
     """
     arr = _check(costs, num_parts)
     n = arr.size
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    per_part = n // num_parts
+    if n == 0 or num_parts == 1:
+        return np.zeros(n, dtype=np.int64)
     order = np.argsort(-arr, kind="stable")
-    part = np.empty(n, dtype=np.int64)
+    best, best_max = None, np.inf
+    for start in (
+        _lpt(arr, order, num_parts),
+        _snake(order, num_parts),
+        partition_round_robin(n, num_parts),
+    ):
+        load = np.bincount(start, weights=arr, minlength=num_parts)
+        for _ in range(max_swaps):
+            if not _improve_once(arr, start, load):
+                break
+        if load.max() < best_max:
+            best, best_max = start, load.max()
+    return best
+
+
+def _lpt(costs: np.ndarray, order: np.ndarray, num_parts: int) -> np.ndarray:
+    """Largest first, each to the least loaded part that still has room (count cap)."""
+    per_part = costs.size // num_parts
+    part = np.empty(costs.size, dtype=np.int64)
     load = np.zeros(num_parts)
     count = np.zeros(num_parts, dtype=np.int64)
     for i in order:
-        open_loads = np.where(count < per_part, load, np.inf)
-        p = int(np.argmin(open_loads))
+        p = int(np.argmin(np.where(count < per_part, load, np.inf)))
         part[i] = p
-        load[p] += arr[i]
+        load[p] += costs[i]
         count[p] += 1
-    for _ in range(max_swaps):
-        if not _improve_once(arr, part, load):
-            break
+    return part
+
+
+def _snake(order: np.ndarray, num_parts: int) -> np.ndarray:
+    """Deal sorted items 0,1,..,k-1,k-1,..,1,0,0,1,.. (boustrophedon)."""
+    pos = np.arange(order.size)
+    lap, r = np.divmod(pos, num_parts)
+    part = np.empty(order.size, dtype=np.int64)
+    part[order] = np.where(lap % 2 == 0, r, num_parts - 1 - r)
     return part
 
 
@@ -127,7 +155,9 @@ def _improve_once(costs: np.ndarray, part: np.ndarray, load: np.ndarray) -> bool
 
 def part_loads(costs: np.ndarray | list[float], part: np.ndarray, num_parts: int) -> np.ndarray:
     """Total cost per part."""
-    return np.bincount(np.asarray(part), weights=np.asarray(costs, dtype=np.float64), minlength=num_parts)
+    return np.bincount(
+        np.asarray(part), weights=np.asarray(costs, dtype=np.float64), minlength=num_parts
+    )
 
 
 def imbalance(costs: np.ndarray | list[float], part: np.ndarray, num_parts: int) -> float:

@@ -54,7 +54,15 @@ INDEX_SCHEMA = pa.schema(
         pa.field("row_checksum", pa.uint64(), nullable=False),
     ]
 )
-INDEX_REQUIRED = ("shard", "row", "num_tokens", "padded_len", "num_loss_tokens", "num_docs", "attn_cost")
+INDEX_REQUIRED = (
+    "shard",
+    "row",
+    "num_tokens",
+    "padded_len",
+    "num_loss_tokens",
+    "num_docs",
+    "attn_cost",
+)
 
 
 class FormatError(ValueError):
@@ -71,10 +79,14 @@ def check_relative_path(path: Any, where: str) -> str:
     if not isinstance(path, str) or not path:
         raise FormatError(f"{where}: path must be a non-empty string, got {path!r}")
     if path.startswith(("/", "\\")) or "://" in path or (len(path) > 1 and path[1] == ":"):
-        raise FormatError(f"{where}: path {path!r} is absolute; manifests hold paths relative to the dataset")
+        raise FormatError(
+            f"{where}: path {path!r} is absolute; manifests hold paths relative to the dataset"
+        )
     parts = path.replace("\\", "/").split("/")
     if ".." in parts or posixpath.normpath(path) != path:
-        raise FormatError(f"{where}: path {path!r} is not a plain relative path ('..' or '.' segments are refused)")
+        raise FormatError(
+            f"{where}: path {path!r} is not a plain relative path ('..' or '.' segments are refused)"
+        )
     return path
 
 
@@ -93,20 +105,28 @@ def new_hasher(algorithm: str = DEFAULT_CHECKSUM) -> _Hasher:
     try:
         return HASHERS[algorithm]()
     except KeyError:
-        raise FormatError(f"checksum algorithm {algorithm!r} is not known; readers understand {sorted(HASHERS)}") from None
+        raise FormatError(
+            f"checksum algorithm {algorithm!r} is not known; readers understand {sorted(HASHERS)}"
+        ) from None
 
 
 def split_checksum(checksum: Any, where: str) -> tuple[str, str]:
     """'algo:hex' -> (algo, hex), with a clear error naming `where`."""
     if not isinstance(checksum, str) or ":" not in checksum:
-        raise FormatError(f"{where}: checksum must be written '<algorithm>:<hex>', got {checksum!r}")
+        raise FormatError(
+            f"{where}: checksum must be written '<algorithm>:<hex>', got {checksum!r}"
+        )
     algorithm, digest = checksum.split(":", 1)
     if algorithm not in HASHERS:
-        raise FormatError(f"{where}: checksum algorithm {algorithm!r} is not known; readers understand {sorted(HASHERS)}")
+        raise FormatError(
+            f"{where}: checksum algorithm {algorithm!r} is not known; readers understand {sorted(HASHERS)}"
+        )
     return algorithm, digest
 
 
-def checksum_stream(read: Callable[[int], bytes], algorithm: str = DEFAULT_CHECKSUM, chunk: int = 8 << 20) -> str:
+def checksum_stream(
+    read: Callable[[int], bytes], algorithm: str = DEFAULT_CHECKSUM, chunk: int = 8 << 20
+) -> str:
     """Checksum of everything `read(chunk)` yields until it returns b''."""
     h = new_hasher(algorithm)
     while True:

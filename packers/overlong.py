@@ -72,7 +72,9 @@ def apply_overlong(
 ) -> OverlongResult:
     """Apply the overlong policy to sample lengths; see the module docstring."""
     if policy not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong={policy!r} is not known; choose one of {list(OVERLONG_POLICIES)}")
+        raise ValueError(
+            f"overlong={policy!r} is not known; choose one of {list(OVERLONG_POLICIES)}"
+        )
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     lengths = np.asarray(lengths, dtype=np.int64)

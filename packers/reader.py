@@ -7,6 +7,10 @@ file or a seekable fsspec remote file), computes which record batch holds the ro
 shard's `rows_per_batch`, and deserialises only that batch and only the requested columns.
 Each row read is checked against its `row_checksum` in index.arrow unless `verify=False`;
 `verify_shard` re-hashes a whole shard against the manifest.
+
+Concurrency: one lock per shard (readers of different shards run in parallel, which is what
+lets a trainer overlap range reads of several remote shards); local shards are memory-mapped,
+so reading one row of a 4 MiB record batch touches only that row's pages.
 """
 
 from __future__ import annotations
@@ -79,7 +83,11 @@ def parse_manifest(manifest: Any, where: str) -> tuple[dict[str, Any], list[Shar
             raise FormatError(f"{here} must be an object holding {list(SHARD_KEYS)}")
         check_relative_path(s["path"], here)
         split_checksum(s["checksum"], here)
-        shards.append(ShardEntry(**{k: s[k] for k in SHARD_KEYS}, rows_per_batch=int(s.get("rows_per_batch", 0))))
+        shards.append(
+            ShardEntry(
+                **{k: s[k] for k in SHARD_KEYS}, rows_per_batch=int(s.get("rows_per_batch", 0))
+            )
+        )
     index = manifest.get("index", {"path": "index.arrow"})
     check_relative_path(index.get("path"), f"{where}: index")
     return config, shards
@@ -88,14 +96,17 @@ def parse_manifest(manifest: Any, where: str) -> tuple[dict[str, Any], list[Shar
 class ShardDataset:
     """A committed shard dataset opened for reading (thread-safe for concurrent row reads)."""
 
-    def __init__(self, url: str, manifest: dict[str, Any], fs: fsspec.AbstractFileSystem, root: str) -> None:
+    def __init__(
+        self, url: str, manifest: dict[str, Any], fs: fsspec.AbstractFileSystem, root: str
+    ) -> None:
         self.url = url
         self.manifest = manifest
         self.fs = fs
         self.root = root
         self.config, self.shards = parse_manifest(manifest, f"{url}/{MANIFEST_NAME}")
         self._readers: dict[int, tuple[Any, pa.ipc.RecordBatchFileReader]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _readers and _shard_locks
+        self._shard_locks: dict[int, threading.Lock] = {}
 
     @classmethod
     def open(cls, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ShardDataset:
@@ -129,10 +140,12 @@ class ShardDataset:
         except FileNotFoundError:
             raise FormatError(f"{where}: missing (the manifest names it)") from None
         if "checksum" in entry:
-            algorithm, digest = split_checksum(entry["checksum"], where)
+            algorithm, _digest = split_checksum(entry["checksum"], where)
             got = checksum_stream(_BytesReader(data).read, algorithm)
             if got != entry["checksum"]:
-                raise FormatError(f"{where}: checksum {got} does not match the manifest's {entry['checksum']}")
+                raise FormatError(
+                    f"{where}: checksum {got} does not match the manifest's {entry['checksum']}"
+                )
         try:
             table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
         except pa.ArrowInvalid as e:
@@ -141,7 +154,9 @@ class ShardDataset:
         if missing:
             raise FormatError(f"{where}: missing columns {missing}")
         if table.num_rows != sum(s.rows for s in self.shards):
-            raise FormatError(f"{where}: {table.num_rows} rows, but the manifest's shards hold {sum(s.rows for s in self.shards)}")
+            raise FormatError(
+                f"{where}: {table.num_rows} rows, but the manifest's shards hold {sum(s.rows for s in self.shards)}"
+            )
         return table
 
     def index_column(self, name: str) -> np.ndarray:
@@ -165,24 +180,38 @@ class ShardDataset:
 
     # ---- rows --------------------------------------------------------------------------
 
-    def _reader(self, shard: int) -> pa.ipc.RecordBatchFileReader:
+    def _shard_lock(self, shard: int) -> threading.Lock:
         with self._lock:
+            return self._shard_locks.setdefault(shard, threading.Lock())
+
+    def _reader(self, shard: int) -> pa.ipc.RecordBatchFileReader:
+        with self._shard_lock(shard):
             if shard not in self._readers:
                 entry = self.shards[shard]
-                f = self.fs.open(f"{self.root}/{entry.path}", "rb")
+                path = f"{self.root}/{entry.path}"
+                f = pa.memory_map(path) if _is_local(self.fs) else self.fs.open(path, "rb")
                 try:
                     reader = pa.ipc.open_file(f)
                 except (pa.ArrowInvalid, OSError) as e:
                     f.close()
-                    raise FormatError(f"{self.url}/{entry.path}: not a readable Arrow IPC file ({e})") from None
+                    raise FormatError(
+                        f"{self.url}/{entry.path}: not a readable Arrow IPC file ({e})"
+                    ) from None
                 if not reader.schema.equals(SHARD_SCHEMA):
                     f.close()
-                    raise FormatError(f"{self.url}/{entry.path}: schema differs from shard format v{FORMAT_VERSION}")
+                    raise FormatError(
+                        f"{self.url}/{entry.path}: schema differs from shard format v{FORMAT_VERSION}"
+                    )
                 self._readers[shard] = (f, reader)
             return self._readers[shard][1]
 
     def read_rows(
-        self, shard: int, rows: Sequence[int], columns: Sequence[str] | None = None, *, verify: bool = True
+        self,
+        shard: int,
+        rows: Sequence[int],
+        columns: Sequence[str] | None = None,
+        *,
+        verify: bool = True,
     ) -> pa.Table:
         """Rows of one shard, in the order asked, reading only the batches that hold them.
 
@@ -201,13 +230,15 @@ class ShardDataset:
         needed = list(SHARD_SCHEMA.names) if verify else names
         per_batch = entry.rows_per_batch or entry.rows
         reader = self._reader(shard)
-        with self._lock:
+        with self._shard_lock(shard):
             batches = {}
             for b in sorted({r // per_batch for r in rows}):
                 try:
                     batches[b] = reader.get_batch(b)
                 except (pa.ArrowInvalid, OSError, IndexError) as e:
-                    raise FormatError(f"{self.url}/{entry.path}: record batch {b} is unreadable ({e})") from None
+                    raise FormatError(
+                        f"{self.url}/{entry.path}: record batch {b} is unreadable ({e})"
+                    ) from None
         picked = pa.Table.from_batches(
             [batches[r // per_batch].slice(r % per_batch, 1).select(needed) for r in rows],
             schema=pa.schema([SHARD_SCHEMA.field(n) for n in needed]),
@@ -222,16 +253,24 @@ class ShardDataset:
         expected = self.index_column("row_checksum")
         base = int(self.shard_row_starts[shard])
         table = table.combine_chunks()
-        cols = {n: list_parts(table.column(n).chunk(0)) for n in ("input_ids", "loss_mask", "doc_lens", "sample_ids")}
+        cols = {
+            n: list_parts(table.column(n).chunk(0))
+            for n in ("input_ids", "loss_mask", "doc_lens", "sample_ids")
+        }
         for i, r in enumerate(rows):
-            parts = [cols[n][1][cols[n][0][i] : cols[n][0][i + 1]] for n in ("input_ids", "loss_mask", "doc_lens", "sample_ids")]
+            parts = [
+                cols[n][1][cols[n][0][i] : cols[n][0][i + 1]]
+                for n in ("input_ids", "loss_mask", "doc_lens", "sample_ids")
+            ]
             if row_checksum(*parts) != int(expected[base + r]):
                 raise FormatError(
                     f"{self.url}/{self.shards[shard].path}: row {r} does not match its checksum in index.arrow "
                     "(the shard is corrupted; run `packshard verify` and re-pack)"
                 )
 
-    def read_row(self, global_row: int, columns: Sequence[str] | None = None, *, verify: bool = True) -> dict[str, Any]:
+    def read_row(
+        self, global_row: int, columns: Sequence[str] | None = None, *, verify: bool = True
+    ) -> dict[str, Any]:
         """One row as a dict of numpy arrays / ints."""
         shard, row = self.locate(global_row)
         t = self.read_rows(shard, [row], columns, verify=verify)
@@ -241,7 +280,7 @@ class ShardDataset:
         """All record batches of one shard, in order (no row checksums: use verify_shard)."""
         reader = self._reader(shard)
         for b in range(reader.num_record_batches):
-            with self._lock:
+            with self._shard_lock(shard):
                 yield reader.get_batch(b)
 
     def verify_shard(self, shard: int) -> None:
@@ -258,13 +297,23 @@ class ShardDataset:
         if size != entry.bytes:
             raise FormatError(f"{where}: {size} bytes, the manifest says {entry.bytes}")
         if got != entry.checksum:
-            raise FormatError(f"{where}: checksum {got} does not match the manifest's {entry.checksum}")
+            raise FormatError(
+                f"{where}: checksum {got} does not match the manifest's {entry.checksum}"
+            )
+
+    def close_shard(self, shard: int) -> None:
+        """Close one shard's open file (it is reopened on the next read of that shard)."""
+        with self._shard_lock(shard):
+            opened = self._readers.pop(shard, None)
+        if opened is not None:
+            opened[0].close()
 
     def close(self) -> None:
         with self._lock:
-            for f, _ in self._readers.values():
-                f.close()
+            opened = list(self._readers.values())
             self._readers.clear()
+        for f, _ in opened:
+            f.close()
 
     def __enter__(self) -> ShardDataset:
         return self
@@ -273,10 +322,17 @@ class ShardDataset:
         self.close()
 
 
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
 def _to_numpy(col: pa.ChunkedArray) -> Any:
     arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if pa.types.is_list(arr.type):
-        return arr.values.to_numpy(zero_copy_only=False)[arr.offsets[0].as_py() : arr.offsets[-1].as_py()]
+        return arr.values.to_numpy(zero_copy_only=False)[
+            arr.offsets[0].as_py() : arr.offsets[-1].as_py()
+        ]
     return arr.to_numpy(zero_copy_only=False)[0]
 
 

@@ -25,7 +25,9 @@ from packers.overlong import OverlongPolicy, OverlongResult, apply_overlong, pad
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32, copy=False)), pa.array(values, type=value_type))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.astype(np.int32, copy=False)), pa.array(values, type=value_type)
+    )
 
 
 def build_rows(
@@ -76,7 +78,11 @@ def build_rows(
     out_mask = np.zeros(int(row_out_start[-1]), dtype=np.bool_)
     out_ids[dest] = tokens[src]
     out_mask[dest] = loss_mask[src]
-    num_loss = np.add.reduceat(out_mask, row_out_start[:-1]).astype(np.int32) if out_mask.size else np.zeros(0, np.int32)
+    num_loss = (
+        np.add.reduceat(out_mask, row_out_start[:-1]).astype(np.int32)
+        if out_mask.size
+        else np.zeros(0, np.int32)
+    )
 
     doc_offsets = np.concatenate(([0], np.cumsum(row_sizes)))
     return pa.RecordBatch.from_arrays(
@@ -84,7 +90,9 @@ def build_rows(
             _list_array(row_out_start, out_ids, pa.int32()),
             _list_array(row_out_start, out_mask, pa.bool_()),
             _list_array(doc_offsets, doc_len.astype(np.int32), pa.int32()),
-            _list_array(doc_offsets, np.asarray(piece_sample_id, dtype=np.int64)[order], pa.int64()),
+            _list_array(
+                doc_offsets, np.asarray(piece_sample_id, dtype=np.int64)[order], pa.int64()
+            ),
             pa.array(row_true.astype(np.int32)),
             pa.array(num_loss),
         ],
@@ -144,7 +152,9 @@ def pack_table(
     )
     num_tokens = int(result.length.sum())
     padded = int(batch.column("input_ids").offsets[-1].as_py()) if batch.num_rows else 0
-    return batch, PackReport(overlong=result, rows=batch.num_rows, num_tokens=num_tokens, padded_tokens=padded)
+    return batch, PackReport(
+        overlong=result, rows=batch.num_rows, num_tokens=num_tokens, padded_tokens=padded
+    )
 
 
 def list_parts(arr: pa.ListArray, dtype: type | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +193,9 @@ def row_index_stats(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     }
 
 
-def row_checksum(input_ids: np.ndarray, loss_mask: np.ndarray, doc_lens: np.ndarray, sample_ids: np.ndarray) -> int:
+def row_checksum(
+    input_ids: np.ndarray, loss_mask: np.ndarray, doc_lens: np.ndarray, sample_ids: np.ndarray
+) -> int:
     """The index's row_checksum of one row given as numpy arrays."""
     h = xxhash.xxh3_64()
     h.update(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes())

@@ -35,19 +35,35 @@ def row_problems(
         for i in np.flatnonzero(bad)[: MAX_MESSAGES - len(problems)]:
             problems.append(f"row {first_row + int(i)}: {what(int(i)) if callable(what) else what}")
 
-    flag(padded % pad_multiple != 0, lambda i: f"padded length {padded[i]} is not a multiple of {pad_multiple}")
+    flag(
+        padded % pad_multiple != 0,
+        lambda i: f"padded length {padded[i]} is not a multiple of {pad_multiple}",
+    )
     flag(padded > seq_len, lambda i: f"padded length {padded[i]} exceeds seq_len {seq_len}")
     flag(num_tokens < 1, lambda i: f"num_tokens {num_tokens[i]} < 1 (empty row)")
-    flag((padded - num_tokens >= pad_multiple) | (padded < num_tokens),
-         lambda i: f"padding {padded[i] - num_tokens[i]} is not in [0, {pad_multiple})")
-    flag(np.diff(mask_off) != padded, lambda i: f"loss_mask length {mask_off[i + 1] - mask_off[i]} != input_ids length {padded[i]}")
+    flag(
+        (padded - num_tokens >= pad_multiple) | (padded < num_tokens),
+        lambda i: f"padding {padded[i] - num_tokens[i]} is not in [0, {pad_multiple})",
+    )
+    flag(
+        np.diff(mask_off) != padded,
+        lambda i: (
+            f"loss_mask length {mask_off[i + 1] - mask_off[i]} != input_ids length {padded[i]}"
+        ),
+    )
     flag(np.diff(sid_off) != np.diff(doc_off), "sample_ids and doc_lens differ in length")
     doc_sum = np.add.reduceat(doc_lens, doc_off[:-1]) if doc_lens.size else np.zeros(n, np.int64)
     doc_sum = np.where(np.diff(doc_off) > 0, doc_sum, 0)
-    flag(doc_sum != num_tokens, lambda i: f"doc_lens sum to {doc_sum[i]}, num_tokens is {num_tokens[i]}")
+    flag(
+        doc_sum != num_tokens,
+        lambda i: f"doc_lens sum to {doc_sum[i]}, num_tokens is {num_tokens[i]}",
+    )
     if doc_lens.size and (doc_lens[doc_off[0] : doc_off[-1]] < 1).any():
         row_of_doc = np.repeat(np.arange(n), np.diff(doc_off))
-        flag(np.isin(np.arange(n), row_of_doc[doc_lens[doc_off[0] : doc_off[-1]] < 1]), "a document has length < 1")
+        flag(
+            np.isin(np.arange(n), row_of_doc[doc_lens[doc_off[0] : doc_off[-1]] < 1]),
+            "a document has length < 1",
+        )
     if problems:
         return problems  # the checks below assume consistent lengths
 
@@ -64,5 +80,8 @@ def row_problems(
     bad_mask[row_of_tok[is_pad & m]] = True
     flag(bad_mask, "loss_mask is true on padding")
     loss_count = np.bincount(row_of_tok, weights=m, minlength=n).astype(np.int64)
-    flag(loss_count != num_loss, lambda i: f"num_loss_tokens {num_loss[i]} but loss_mask counts {loss_count[i]}")
+    flag(
+        loss_count != num_loss,
+        lambda i: f"num_loss_tokens {num_loss[i]} but loss_mask counts {loss_count[i]}",
+    )
     return problems

@@ -54,7 +54,9 @@ def rows_per_batch_for(seq_len: int, target_bytes: int = DEFAULT_BATCH_BYTES) ->
     return max(1, target_bytes // max(1, seq_len * 4 + seq_len // 8))
 
 
-def url_to_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def url_to_fs(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path without protocol) for any fsspec URL or local path."""
     fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     return fs, path.rstrip("/") or path
@@ -113,8 +115,14 @@ def write_shard(
                 totals["loss_tokens"] += int(s["num_loss_tokens"].sum())
         size, digest = sink.bytes_written, sink.checksum
     fs.mv(tmp, final)
-    index = {k: np.concatenate([s[k] for s in stats]) if stats else np.zeros(0) for k in INDEX_SCHEMA.names if k not in ("shard", "row")}
-    return ShardRecord(path=rel, bytes=size, checksum=digest, rows_per_batch=rows_per_batch, index=index, **totals)
+    index = {
+        k: np.concatenate([s[k] for s in stats]) if stats else np.zeros(0)
+        for k in INDEX_SCHEMA.names
+        if k not in ("shard", "row")
+    }
+    return ShardRecord(
+        path=rel, bytes=size, checksum=digest, rows_per_batch=rows_per_batch, index=index, **totals
+    )
 
 
 def _rechunk(batches: Iterable[pa.RecordBatch], rows: int) -> Iterable[pa.RecordBatch]:
@@ -145,7 +153,8 @@ def build_index(shards: list[ShardRecord]) -> pa.Table:
         for name in INDEX_SCHEMA.names[2:]:
             cols[name].append(shard.index[name])
     arrays = [
-        pa.array(np.concatenate(cols[f.name]) if cols[f.name] else np.zeros(0), type=f.type) for f in INDEX_SCHEMA
+        pa.array(np.concatenate(cols[f.name]) if cols[f.name] else np.zeros(0), type=f.type)
+        for f in INDEX_SCHEMA
     ]
     return pa.Table.from_arrays(arrays, schema=INDEX_SCHEMA)
 
@@ -188,7 +197,12 @@ def finalize_dataset(
         "version": FORMAT_VERSION,
         "config": dict(config),
         "shards": [s.manifest_entry() for s in shards],
-        "index": {"path": INDEX_NAME, "rows": index.num_rows, "bytes": sink.bytes_written, "checksum": sink.checksum},
+        "index": {
+            "path": INDEX_NAME,
+            "rows": index.num_rows,
+            "bytes": sink.bytes_written,
+            "checksum": sink.checksum,
+        },
         "totals": {
             **dict(totals),
             "rows": sum(s.rows for s in shards),
@@ -265,11 +279,15 @@ class DatasetWriter:
     def _flush(self) -> None:
         if not self._pending_rows:
             return
-        record = write_shard(self.fs, self.root, len(self.shards), self._pending, rows_per_batch=self.rows_per_batch)
+        record = write_shard(
+            self.fs, self.root, len(self.shards), self._pending, rows_per_batch=self.rows_per_batch
+        )
         self.shards.append(record)
         self._pending, self._pending_rows, self._pending_bytes = [], 0, 0
 
-    def close(self, totals: Mapping[str, Any], *, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def close(
+        self, totals: Mapping[str, Any], *, extra: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Write the remaining rows, index.arrow and manifest.json; return the manifest."""
         self._flush()
         return finalize_dataset(self.fs, self.root, self.config, self.shards, totals, extra=extra)

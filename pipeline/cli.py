@@ -57,28 +57,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from pipeline.verify import verify_dataset
 
-    problems = verify_dataset(args.url, storage_options=parse_storage_options(args.storage_option), progress=not args.quiet)
+    problems = verify_dataset(
+        args.url,
+        storage_options=parse_storage_options(args.storage_option),
+        progress=not args.quiet,
+    )
     if problems:
         for p in problems:
             print(f"FAIL {p}", file=sys.stderr)
         print(f"verify: {len(problems)} problem(s) in {args.url}", file=sys.stderr)
         return 1
     ds = ShardDataset.open(args.url, storage_options=parse_storage_options(args.storage_option))
-    print(f"verify: OK {args.url}: {len(ds.shards)} shards, {ds.num_rows:,} rows, checksums and row invariants hold")
+    print(
+        f"verify: OK {args.url}: {len(ds.shards)} shards, {ds.num_rows:,} rows, checksums and row invariants hold"
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packshard", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("pack", help="pack raw samples into a shard dataset (same flags as pipeline/pack.py)", add_help=False)
+    sub.add_parser(
+        "pack",
+        help="pack raw samples into a shard dataset (same flags as pipeline/pack.py)",
+        add_help=False,
+    )
     p = sub.add_parser("stats", help="what a dataset holds (manifest and index only)")
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--plot", metavar="FILE.png", help="also write a PNG of row lengths and padding")
     add_storage_option_flag(p)
     p.set_defaults(func=cmd_stats)
-    p = sub.add_parser("verify", help="re-read every shard; exit 1 on any broken checksum or invariant")
+    p = sub.add_parser(
+        "verify", help="re-read every shard; exit 1 on any broken checksum or invariant"
+    )
     p.add_argument("url")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_storage_option_flag(p)

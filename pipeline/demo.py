@@ -33,13 +33,70 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Randy", "Mark", "Jasmine"]
-_ITEMS = ["clips", "apples", "stickers", "pages", "marbles", "cookies", "tickets", "books", "shells", "coins"]
-_FILES = ["src/core.py", "src/utils.py", "src/schema.py", "tests/test_core.py", "tests/test_schema.py", "setup.cfg", "README.md"]
-_WORDS = (
-    "the value field schema load dump serialize error when returns none list dict raise "
-    "expected got default missing attribute nested data type check test case input output"
-).split()
+_NAMES = [
+    "Natalia",
+    "Weng",
+    "Betty",
+    "Julie",
+    "James",
+    "Albert",
+    "Ken",
+    "Alexis",
+    "Tina",
+    "Randy",
+    "Mark",
+    "Jasmine",
+]
+_ITEMS = [
+    "clips",
+    "apples",
+    "stickers",
+    "pages",
+    "marbles",
+    "cookies",
+    "tickets",
+    "books",
+    "shells",
+    "coins",
+]
+_FILES = [
+    "src/core.py",
+    "src/utils.py",
+    "src/schema.py",
+    "tests/test_core.py",
+    "tests/test_schema.py",
+    "setup.cfg",
+    "README.md",
+]
+_WORDS = [
+    "the",
+    "value",
+    "field",
+    "schema",
+    "load",
+    "dump",
+    "serialize",
+    "error",
+    "when",
+    "returns",
+    "none",
+    "list",
+    "dict",
+    "raise",
+    "expected",
+    "got",
+    "default",
+    "missing",
+    "attribute",
+    "nested",
+    "data",
+    "type",
+    "check",
+    "test",
+    "case",
+    "input",
+    "output",
+]
 
 
 def _math_record(rng: np.random.Generator, i: int) -> dict[str, Any]:
@@ -55,7 +112,9 @@ def _math_record(rng: np.random.Generator, i: int) -> dict[str, Any]:
     extra = int(rng.integers(0, 4))
     for j in range(extra):
         d = int(rng.integers(2, 30))
-        steps.append(f"Check {j + 1}: adding {d} and taking it away again leaves {(a + b - c) * k} {item}.")
+        steps.append(
+            f"Check {j + 1}: adding {d} and taking it away again leaves {(a + b - c) * k} {item}."
+        )
     question = (
         f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} of them to a friend. "
         f"At the end of the week the number of {item} is multiplied by {k}. How many {item} does {name} have?"
@@ -77,18 +136,30 @@ def _tool_output(rng: np.random.Generator) -> str:
         return "\n".join(f"{f}  {int(rng.integers(200, 9000))} bytes" for f in _FILES)
     if kind == 1:
         n = int(rng.integers(20, 60))
-        lines = [f"{j + 1:4d}    {' '.join(rng.choice(_WORDS, int(rng.integers(3, 10))))}" for j in range(n)]
+        lines = [
+            f"{j + 1:4d}    {' '.join(rng.choice(_WORDS, int(rng.integers(3, 10))))}"
+            for j in range(n)
+        ]
         return "\n".join(lines)
     n = int(rng.integers(5, 25))
-    lines = [f"tests/test_core.py::test_{'_'.join(rng.choice(_WORDS, 2))} {'PASSED' if rng.random() < 0.8 else 'FAILED'}" for _ in range(n)]
+    lines = [
+        f"tests/test_core.py::test_{'_'.join(rng.choice(_WORDS, 2))} {'PASSED' if rng.random() < 0.8 else 'FAILED'}"
+        for _ in range(n)
+    ]
     return "============ test session starts ============\n" + "\n".join(lines) + f"\n{n} tests ran"
 
 
 def _trajectory_record(rng: np.random.Generator, i: int) -> dict[str, Any]:
     target = int(rng.integers(8_000, 28_000))  # bytes = tokens for the demo tokenizer
     messages = [
-        {"role": "system", "content": "You are a software agent. Use the tools to fix the issue, then submit."},
-        {"role": "user", "content": f"Issue #{1000 + i}: {' '.join(rng.choice(_WORDS, 40))}. Please fix it."},
+        {
+            "role": "system",
+            "content": "You are a software agent. Use the tools to fix the issue, then submit.",
+        },
+        {
+            "role": "user",
+            "content": f"Issue #{1000 + i}: {' '.join(rng.choice(_WORDS, 40))}. Please fix it.",
+        },
     ]
     size = sum(len(m["content"]) for m in messages)
     step = 0
@@ -98,7 +169,9 @@ def _trajectory_record(rng: np.random.Generator, i: int) -> dict[str, Any]:
         arg = _FILES[int(rng.integers(len(_FILES)))]
         thought = f"Step {step}: {' '.join(rng.choice(_WORDS, int(rng.integers(8, 30))))}."
         call = json.dumps({"name": tool, "arguments": {"path": arg}})
-        messages.append({"role": "assistant", "content": f"{thought}\n<tool_call>{call}</tool_call>"})
+        messages.append(
+            {"role": "assistant", "content": f"{thought}\n<tool_call>{call}</tool_call>"}
+        )
         messages.append({"role": "tool", "content": _tool_output(rng)})
         size += len(messages[-1]["content"]) + len(messages[-2]["content"])
     messages.append({"role": "assistant", "content": "The tests pass now. Submitting the fix."})
@@ -166,7 +239,11 @@ def save_demo_tokenizer(directory: str | Path) -> Path:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -174,4 +251,4 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=False)}

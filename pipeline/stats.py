@@ -26,7 +26,10 @@ def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
     rows = int(num_tokens.size)
     true_tokens, padded_tokens = int(num_tokens.sum()), int(padded.sum())
     seq_tokens = rows * seq_len
-    edges = np.asarray(ds.manifest.get("histogram", {}).get("edges") or np.linspace(0, seq_len, 33).round(), dtype=np.int64)
+    edges = np.asarray(
+        ds.manifest.get("histogram", {}).get("edges") or np.linspace(0, seq_len, 33).round(),
+        dtype=np.int64,
+    )
     counts, _ = np.histogram(num_tokens, bins=edges)
     return {
         "url": ds.url,
@@ -81,7 +84,7 @@ def format_stats(st: Mapping[str, Any]) -> str:
     ]
     edges, counts = st["histogram"]["edges"], st["histogram"]["counts"]
     peak = max(counts) if counts else 0
-    for i, (lo, hi, c) in enumerate(zip(edges[:-1], edges[1:], counts)):
+    for i, (lo, hi, c) in enumerate(zip(edges[:-1], edges[1:], counts, strict=False)):
         if c:
             bar = "#" * max(1, round(40 * c / peak))
             close = "]" if i == len(counts) - 1 else ")"  # numpy's last bin includes its right edge
@@ -116,7 +119,7 @@ def plot_stats(ds: ShardDataset, path: str) -> None:
     pad = [int((padded - num_tokens).sum()), seq_total - st["num_tokens"]]
     ax2.bar(labels, true, color="#3b75af", label="true tokens")
     ax2.bar(labels, pad, bottom=true, color="#d9534f", label="padding")
-    for i, (t, p) in enumerate(zip(true, pad)):
+    for i, (t, p) in enumerate(zip(true, pad, strict=False)):
         ax2.text(i, t + p, f"{100 * p / (t + p):.2f}% pad", ha="center", va="bottom")
     ax2.set_ylabel("tokens")
     ax2.set_title("where the compute goes")

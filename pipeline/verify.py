@@ -26,7 +26,14 @@ from packers import FormatError, ShardDataset, row_index_stats, row_problems
 from packers.rows import list_parts
 
 log = logging.getLogger(__name__)
-INDEX_CHECKED = ("num_tokens", "padded_len", "num_loss_tokens", "num_docs", "attn_cost", "row_checksum")
+INDEX_CHECKED = (
+    "num_tokens",
+    "padded_len",
+    "num_loss_tokens",
+    "num_docs",
+    "attn_cost",
+    "row_checksum",
+)
 
 
 def verify_dataset(
@@ -40,7 +47,11 @@ def verify_dataset(
         return [str(e)]
     problems: list[str] = []
     cfg = ds.config
-    seq_len, multiple, pad_id = int(cfg["seq_len"]), int(cfg["pad_multiple"]), int(cfg["pad_token_id"])
+    seq_len, multiple, pad_id = (
+        int(cfg["seq_len"]),
+        int(cfg["pad_multiple"]),
+        int(cfg["pad_token_id"]),
+    )
     idx = {name: index.column(name).to_numpy() for name in index.column_names}
     sample_chunks: list[np.ndarray] = []
     bar = tqdm(total=ds.num_rows, unit="row", desc="verify", disable=not progress)
@@ -52,14 +63,23 @@ def verify_dataset(
         except FormatError as e:
             problems.append(str(e))
             continue
-        if not (idx["shard"][base : base + entry.rows] == s).all() or not (
-            idx["row"][base : base + entry.rows] == np.arange(entry.rows)
-        ).all():
-            problems.append(f"{url}/index.arrow: rows {base}..{base + entry.rows - 1} do not point at shard {s} rows 0..{entry.rows - 1}")
+        if (
+            not (idx["shard"][base : base + entry.rows] == s).all()
+            or not (idx["row"][base : base + entry.rows] == np.arange(entry.rows)).all()
+        ):
+            problems.append(
+                f"{url}/index.arrow: rows {base}..{base + entry.rows - 1} do not point at shard {s} rows 0..{entry.rows - 1}"
+            )
         row = 0
         try:
             for batch in ds.iter_shard(s):
-                found = row_problems(batch, seq_len=seq_len, pad_multiple=multiple, pad_token_id=pad_id, first_row=row)
+                found = row_problems(
+                    batch,
+                    seq_len=seq_len,
+                    pad_multiple=multiple,
+                    pad_token_id=pad_id,
+                    first_row=row,
+                )
                 problems += [f"{where}: {p}" for p in found]
                 stats = row_index_stats(batch)
                 for name in INDEX_CHECKED:
@@ -68,7 +88,9 @@ def verify_dataset(
                     expect = idx[name][base + row : base + row + batch.num_rows]
                     bad = np.flatnonzero(expect != stats[name])
                     for i in bad[:5]:
-                        problems.append(f"{where}: row {row + int(i)}: {name} is {stats[name][i]} but index.arrow says {expect[i]}")
+                        problems.append(
+                            f"{where}: row {row + int(i)}: {name} is {stats[name][i]} but index.arrow says {expect[i]}"
+                        )
                 off, sids = list_parts(batch.column("sample_ids"))
                 sample_chunks.append(sids[off[0] : off[-1]])
                 row += batch.num_rows
@@ -84,7 +106,9 @@ def verify_dataset(
         }
         for key, got in sums.items():
             if getattr(entry, key) != got:
-                problems.append(f"{where}: manifest says {key}={getattr(entry, key)}, its rows hold {got}")
+                problems.append(
+                    f"{where}: manifest says {key}={getattr(entry, key)}, its rows hold {got}"
+                )
     bar.close()
     if not problems:  # sample accounting is only meaningful once every shard was read whole
         problems += _check_totals(url, ds, sample_chunks)
@@ -95,7 +119,12 @@ def _check_totals(url: str, ds: ShardDataset, sample_chunks: list[np.ndarray]) -
     problems = []
     totals = ds.manifest["totals"]
     where = f"{url}/manifest.json"
-    for key, attr in (("num_tokens", "num_tokens"), ("padded_tokens", "padded_tokens"), ("loss_tokens", "loss_tokens"), ("rows", "rows")):
+    for key, attr in (
+        ("num_tokens", "num_tokens"),
+        ("padded_tokens", "padded_tokens"),
+        ("loss_tokens", "loss_tokens"),
+        ("rows", "rows"),
+    ):
         got = sum(getattr(s, attr) for s in ds.shards)
         if totals.get(key) != got:
             problems.append(f"{where}: totals.{key} is {totals.get(key)}, the shards hold {got}")
@@ -103,13 +132,21 @@ def _check_totals(url: str, ds: ShardDataset, sample_chunks: list[np.ndarray]) -
     uniq, counts = np.unique(ids, return_counts=True)
     if ds.config.get("overlong") != "split" and (counts > 1).any():
         dup = uniq[counts > 1]
-        problems.append(f"{where}: {dup.size} sample ids appear in more than one document (e.g. {dup[:5].tolist()})")
+        problems.append(
+            f"{where}: {dup.size} sample ids appear in more than one document (e.g. {dup[:5].tolist()})"
+        )
     if "samples_kept" in totals and uniq.size != totals["samples_kept"]:
-        problems.append(f"{where}: totals.samples_kept is {totals['samples_kept']}, the rows hold {uniq.size} distinct samples")
+        problems.append(
+            f"{where}: totals.samples_kept is {totals['samples_kept']}, the rows hold {uniq.size} distinct samples"
+        )
     dropped = totals.get("dropped", {})
-    if isinstance(dropped, dict) and "samples_in" in totals and "samples_kept" in totals:
-        if totals["samples_in"] != totals["samples_kept"] + sum(dropped.values()):
-            problems.append(
-                f"{where}: samples_in {totals['samples_in']} != samples_kept {totals['samples_kept']} + dropped {sum(dropped.values())}"
-            )
+    if (
+        isinstance(dropped, dict)
+        and "samples_in" in totals
+        and "samples_kept" in totals
+        and totals["samples_in"] != totals["samples_kept"] + sum(dropped.values())
+    ):
+        problems.append(
+            f"{where}: samples_in {totals['samples_in']} != samples_kept {totals['samples_kept']} + dropped {sum(dropped.values())}"
+        )
     return problems

@@ -20,7 +20,9 @@ def _has_cuda() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
-    skip_shared = pytest.mark.skip(reason=f"needs ../shared/data beside the checkout ({SHARED_DATA} is absent)")
+    skip_shared = pytest.mark.skip(
+        reason=f"needs ../shared/data beside the checkout ({SHARED_DATA} is absent)"
+    )
     has_gpu = _has_cuda()
     has_shared = SHARED_DATA.is_dir()
     for item in items:
@@ -61,8 +63,13 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    saved = {
+        k: os.environ.get(k)
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
+    )
     try:
         yield {
             "endpoint_url": endpoint,
@@ -86,9 +93,17 @@ def s3_bucket(s3_server, request):
 
     import boto3
 
-    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    name = (
+        re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+        + "-"
+        + uuid.uuid4().hex[:8]
+    )
     client = boto3.client(
-        "s3", endpoint_url=s3_server["endpoint_url"], aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        "s3",
+        endpoint_url=s3_server["endpoint_url"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
     )
     client.create_bucket(Bucket=name)
     yield name

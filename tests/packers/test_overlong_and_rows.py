@@ -1,0 +1,161 @@
+"""Overlong policies, the padding rule, and row building (tokens land where they belong)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packers import apply_overlong, pack_table, padded_length, row_index_stats, row_problems
+
+
+@given(n=st.integers(0, 10_000), m=st.integers(1, 64))
+def test_padded_length(n, m):
+    p = padded_length(n, m)
+    assert p % m == 0 and n <= p < n + m
+
+
+def test_padded_length_rejects_bad_multiple():
+    with pytest.raises(ValueError, match="multiple"):
+        padded_length(3, 0)
+
+
+lengths_st = st.lists(st.integers(0, 50), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=lengths_st,
+    cap=st.integers(1, 20),
+    policy=st.sampled_from(["truncate", "split", "drop"]),
+)
+def test_overlong_accounting(lengths, cap, policy):
+    r = apply_overlong(lengths, cap, policy)
+    arr = np.asarray(lengths, dtype=np.int64)
+    assert (r.length >= 1).all() and (r.length <= cap).all()
+    assert (r.start >= 0).all() and (r.start + r.length <= arr[r.sample]).all()
+    assert r.dropped.get("empty", 0) == int((arr == 0).sum())
+    kept_tokens = int(r.length.sum())
+    if policy == "split":
+        assert kept_tokens == int(arr.sum()), "split loses no token"
+        assert r.extra_pieces == int(np.maximum(-(-arr // cap) - 1, 0).sum())
+        # pieces of a sample are consecutive and tile it
+        for s in np.unique(r.sample):
+            sel = r.sample == s
+            assert np.array_equal(r.start[sel], np.arange(sel.sum()) * cap)
+    elif policy == "truncate":
+        assert kept_tokens + r.truncated_tokens == int(arr.sum())
+        assert r.truncated_samples == int((arr > cap).sum())
+        assert len(set(r.sample.tolist())) == r.num_pieces
+    else:
+        assert r.dropped.get("overlong", 0) == int((arr > cap).sum())
+        assert kept_tokens + r.dropped_tokens == int(arr.sum())
+    assert list(r.sample) == sorted(r.sample), "input order kept"
+
+
+def _table(seqs, masks=None):
+    cols = {"input_ids": pa.array(seqs, type=pa.list_(pa.int32()))}
+    if masks is not None:
+        cols["loss_mask"] = pa.array(masks, type=pa.list_(pa.bool_()))
+    return pa.table(cols)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=40),
+    mult=st.sampled_from([1, 2, 4, 8]),
+    policy=st.sampled_from(["truncate", "split", "drop"]),
+    algorithm=st.sampled_from(["bfd", "ffd", "greedy"]),
+    seed=st.integers(0, 2**16),
+)
+def test_pack_table_rows_hold_exactly_the_samples(lens, mult, policy, algorithm, seed):
+    rng = np.random.default_rng(seed)
+    seq_len = 32
+    seqs = [rng.integers(1, 1000, n).astype(np.int32) for n in lens]
+    masks = [rng.random(n) < 0.5 for n in lens]
+    batch, report = pack_table(
+        _table(seqs, masks),
+        seq_len=seq_len,
+        pad_multiple=mult,
+        pad_token_id=0,
+        algorithm=algorithm,
+        overlong=policy,
+        sample_id_offset=100,
+    )
+    assert row_problems(batch, seq_len=seq_len, pad_multiple=mult, pad_token_id=0) == []
+    # reassemble every sample's tokens from the rows and compare with its source
+    pieces: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for row in batch.to_pylist():
+        pos = 0
+        for dl, sid in zip(row["doc_lens"], row["sample_ids"], strict=False):
+            pieces.setdefault(sid - 100, []).append(
+                (
+                    np.array(row["input_ids"][pos : pos + dl]),
+                    np.array(row["loss_mask"][pos : pos + dl]),
+                )
+            )
+            pos += dl
+        assert pos == row["num_tokens"]
+        assert all(t == 0 for t in row["input_ids"][pos:]) and not any(row["loss_mask"][pos:])
+    for s, n in enumerate(lens):
+        got = pieces.get(s, [])
+        if n == 0 or (policy == "drop" and n > seq_len):
+            assert got == []
+            continue
+        # Under split, full pieces (seq_len tokens) fill rows of their own, which are ordered by
+        # piece index; the one short tail piece may sit in an earlier row: put it last.
+        got.sort(key=lambda p: len(p[0]) < seq_len)
+        ids = np.concatenate([p[0] for p in got])
+        mask = np.concatenate([p[1] for p in got])
+        want = min(n, seq_len) if policy == "truncate" else n
+        assert np.array_equal(ids, seqs[s][:want]) and np.array_equal(mask, masks[s][:want])
+        if policy != "split":
+            assert len(got) == 1
+    assert report.num_tokens == sum(len(p[0]) for v in pieces.values() for p in v)
+
+
+def test_row_index_stats():
+    batch, _ = pack_table(
+        _table([[1, 2, 3], [4, 5], [6]]),
+        seq_len=8,
+        pad_multiple=4,
+        pad_token_id=9,
+        algorithm="greedy",
+    )
+    st_ = row_index_stats(batch)
+    assert st_["num_tokens"].tolist() == [6]
+    assert st_["padded_len"].tolist() == [8]
+    assert st_["num_docs"].tolist() == [3]
+    assert st_["attn_cost"].tolist() == [9 + 4 + 1]
+    assert batch.column("input_ids").to_pylist() == [[1, 2, 3, 4, 5, 6, 9, 9]]
+
+
+def test_row_problems_catches_each_breach():
+    good, _ = pack_table(_table([[1, 2, 3], [4, 5]]), seq_len=8, pad_multiple=4, pad_token_id=0)
+    row = good.to_pylist()[0]
+
+    def broken(**change):
+        r = {**row, **change}
+        return pa.RecordBatch.from_pylist([r], schema=good.schema)
+
+    cases = {
+        "not a multiple": broken(
+            input_ids=row["input_ids"] + [0], loss_mask=row["loss_mask"] + [False]
+        ),
+        "exceeds seq_len": broken(
+            input_ids=row["input_ids"] + [0] * 4, loss_mask=row["loss_mask"] + [False] * 4
+        ),
+        "doc_lens sum": broken(doc_lens=[3, 1]),
+        "other than pad_token_id": broken(input_ids=[*row["input_ids"][:5], 7, 0, 0]),
+        "loss_mask is true on padding": broken(
+            loss_mask=[*row["loss_mask"][:5], True, False, False], num_loss_tokens=6
+        ),
+        "num_loss_tokens": broken(num_loss_tokens=2),
+        "differ in length": broken(sample_ids=[0]),
+    }
+    assert row_problems(good, seq_len=8, pad_multiple=4, pad_token_id=0) == []
+    for what, batch in cases.items():
+        msgs = row_problems(batch, seq_len=8, pad_multiple=4, pad_token_id=0)
+        assert any(what in m for m in msgs), (what, msgs)

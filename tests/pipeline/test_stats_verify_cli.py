@@ -1,0 +1,146 @@
+"""`packshard stats` and `packshard verify` on a dataset built with the foundation writer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from packers import DatasetWriter, pack_table
+from pipeline.cli import main
+
+CONFIG = {
+    "seq_len": 1024,
+    "cp": 8,
+    "pad_multiple": 8,
+    "pad_token_id": 0,
+    "overlong": "truncate",
+    "tokenizer": {"name": "t", "fingerprint": "x"},
+}
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(1, 500, int(k)).astype(np.int32) for k in rng.integers(1, 700, 500)]
+    batch, _ = pack_table(
+        pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))}),
+        seq_len=1024,
+        pad_multiple=8,
+        pad_token_id=0,
+    )
+    url = str(tmp_path / "ds")
+    w = DatasetWriter(url, CONFIG, max_rows=40)
+    w.write(batch)
+    manifest = w.close({"samples_in": 503, "samples_kept": 500, "dropped": {"no_loss_tokens": 3}})
+    return url, batch, manifest
+
+
+def test_stats_json_reads_manifest_and_index(dataset, capsys):
+    url, batch, _manifest = dataset
+    assert main(["stats", url, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    num_tokens = sum(batch.column("num_tokens").to_pylist())
+    padded = sum(len(x) for x in batch.column("input_ids").to_pylist())
+    assert st["rows"] == batch.num_rows
+    assert st["num_tokens"] == num_tokens and st["padded_tokens"] == padded
+    assert st["padding_fraction"] == pytest.approx((padded - num_tokens) / padded)
+    assert st["pad_to_seq_len_fraction"] == pytest.approx(1 - num_tokens / (batch.num_rows * 1024))
+    assert st["samples_in"] == 503 and st["dropped"] == {"no_loss_tokens": 3}
+    assert st["documents"] == 500
+    assert sum(st["histogram"]["counts"]) == batch.num_rows
+
+
+def test_stats_text_and_plot(dataset, tmp_path, capsys):
+    url, _, _ = dataset
+    png = tmp_path / "p.png"
+    assert main(["stats", url, "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "padding every row to seq_len would waste" in out and "row-length histogram" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stats_does_not_read_shards(dataset, tmp_path, capsys):
+    url, _, _ = dataset
+    for p in (tmp_path / "ds" / "shards").iterdir():
+        p.unlink()
+    assert main(["stats", url]) == 0
+
+
+def test_verify_ok(dataset, capsys):
+    url, _, _ = dataset
+    assert main(["verify", url, "--quiet"]) == 0
+    assert "verify: OK" in capsys.readouterr().out
+
+
+def test_verify_flipped_byte(dataset, tmp_path, capsys):
+    url, _, manifest = dataset
+    p = tmp_path / "ds" / manifest["shards"][1]["path"]
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    p.write_bytes(bytes(data))
+    assert main(["verify", url, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "part-00001.arrow" in err and "checksum" in err
+
+
+def test_verify_missing_manifest(dataset, tmp_path, capsys):
+    url, _, _ = dataset
+    (tmp_path / "ds" / "manifest.json").unlink()
+    assert main(["verify", url, "--quiet"]) == 1
+    assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_verify_dotdot_path(dataset, tmp_path, capsys):
+    url, _, _ = dataset
+    mp = tmp_path / "ds" / "manifest.json"
+    m = json.loads(mp.read_text())
+    m["shards"][0]["path"] = "shards/../../outside.arrow"
+    mp.write_text(json.dumps(m))
+    assert main(["verify", url, "--quiet"]) == 1
+    assert "'..'" in capsys.readouterr().err
+
+
+def test_verify_wrong_totals_and_duplicate_samples(dataset, tmp_path, capsys):
+    url, _, _ = dataset
+    mp = tmp_path / "ds" / "manifest.json"
+    m = json.loads(mp.read_text())
+    m["totals"]["samples_kept"] = 499
+    mp.write_text(json.dumps(m))
+    assert main(["verify", url, "--quiet"]) == 1
+    assert "samples_kept is 499" in capsys.readouterr().err
+
+
+def test_verify_row_invariant_breach_names_shard_and_row(tmp_path, capsys):
+    """A shard rewritten with a bad row (consistent checksums) is still caught by the row rules."""
+    from packers import SHARD_SCHEMA
+
+    row = {
+        "input_ids": [5, 6, 7, 9],
+        "loss_mask": [True, True, True, True],
+        "doc_lens": [3],
+        "sample_ids": [0],
+        "num_tokens": 3,
+        "num_loss_tokens": 4,
+    }
+    url = str(tmp_path / "bad")
+    w = DatasetWriter(url, {**CONFIG, "pad_multiple": 4, "pad_token_id": 0})
+    w.write(pa.RecordBatch.from_pylist([row], schema=SHARD_SCHEMA))
+    w.close({"samples_in": 1, "samples_kept": 1, "dropped": {}})
+    assert main(["verify", url, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "part-00000.arrow: row 0: padding holds a token other than pad_token_id 0" in err
+
+
+def test_console_script_entry_point(dataset):
+    url, _, _ = dataset
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "verify", url, "--quiet"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
