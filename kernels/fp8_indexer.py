@@ -1,0 +1,317 @@
+"""The fixed-config fp8 DSA "lightning indexer": per-query top-k keys, deterministic.
+
+    fp8_indexer_topk(q, k, w, ks, ke, topk) -> int32 [S_q, topk]
+
+q [S_q, H, D] bf16, k [S_k, D] bf16 (one key head shared by all query heads), w [S_q, H],
+ks/ke [S_q] int32 in key coordinates: query t may select key s iff ks[t] <= s < ke[t] (a packed
+row gives ks = the document's start, ke = the query's position + 1).
+
+- q and k are quantized per vector to fp8 e4m3 with power-of-two scales (`kernels.quant`).
+- score[t, s] = k_scale[s] * sum_h (w[t,h] * q_scale[t,h]) * relu(q8[t,h] . k8[s]), fp32
+  accumulation (`kernels.logits`, one compiled kernel for every row length).
+- Order: higher score first, ties by lower key index, -0.0 == +0.0; slots past a row's valid
+  keys hold the sentinel S_k (`kernels.topk`). Output is a pure function of the inputs: no
+  atomics, fixed reduction trees, so it is bitwise identical across calls and processes on
+  the same GPU model and software.
+- NaN or +-inf in q, k or w raises ValueError (checked on the per-vector scales, one sync).
+
+Memory: the fp32 logits are materialised one chunk of queries at a time, each chunk holding
+rows x (its key window, padded to 16) floats plus a CAP-wide int64 candidate buffer per row,
+under `max_chunk_bytes` (default 8 GiB: 128K-key rows go in 16K-query chunks, 256K-key rows in
+8K). `fp8_indexer_logits` materialises the whole [S_q, S_k] matrix and is for tests and
+inspection.
+
+Inputs are padded to the kernels' rules where needed: keys to a multiple of 16 (zero keys with
+zero scale, never inside any [ks, ke)), H to a power of two (zero weights), D to a power of two
+>= 32 (zero columns, after quantization so scales are unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, launch_logits
+from kernels.quant import quantize_fp8
+from kernels.topk import (
+    FIXED_TOPK_CONFIG,
+    TopkConfig,
+    TopkWorkspace,
+    finish_topk,
+    launch_select,
+    topk_rows_torch,
+)
+
+KEY_PAD = 16
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Everything that shapes a launch; the defaults are the fixed config (docs/KERNELS.md)."""
+
+    logits: LogitsConfig = FIXED_LOGITS_CONFIG
+    topk: TopkConfig = FIXED_TOPK_CONFIG
+    max_chunk_bytes: int = 8 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_chunk_bytes < 1:
+            raise ValueError(
+                f"IndexerConfig.max_chunk_bytes={self.max_chunk_bytes}: must be positive"
+            )
+
+
+FIXED_CONFIG = IndexerConfig()
+
+
+@dataclass
+class PreparedInputs:
+    """Quantized, padded operands in the kernels' layouts, plus host copies of ks/ke."""
+
+    q8: torch.Tensor  # [S_q * Hp, Dp] fp8
+    wq: torch.Tensor  # [S_q * Hp] fp32 = w * q_scale
+    k8: torch.Tensor  # [S_kp, Dp] fp8, S_kp a multiple of 16
+    k_scale: torch.Tensor  # [S_kp] fp32
+    ks: torch.Tensor  # [S_q] int32, on the device
+    ke: torch.Tensor  # [S_q] int32, on the device
+    ks_host: list[int] = field(repr=False)
+    ke_host: list[int] = field(repr=False)
+    s_q: int = 0
+    s_k: int = 0
+    heads: int = 0  # padded
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [S_q, H, D], got shape {tuple(q.shape)}")
+    s_q, h, d = q.shape
+    if k.dim() != 2 or k.shape[1] != d:
+        raise ValueError(f"k must be [S_k, D={d}], got shape {tuple(k.shape)}")
+    if tuple(w.shape) != (s_q, h):
+        raise ValueError(f"w must be [S_q={s_q}, H={h}], got shape {tuple(w.shape)}")
+    for name, x in (("ks", ks), ("ke", ke)):
+        if tuple(x.shape) != (s_q,) or x.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [S_q={s_q}], got {x.dtype} {tuple(x.shape)}")
+    for name, x in (("q", q), ("k", k), ("w", w)):
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be floating point (bf16 expected), got {x.dtype}")
+    devs = {x.device for x in (q, k, w, ks, ke)}
+    if len(devs) != 1:
+        raise ValueError(f"q, k, w, ks, ke must share one device, got {sorted(map(str, devs))}")
+
+
+def prepare_inputs(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor
+) -> PreparedInputs:
+    """Validate, quantize and pad; raises ValueError on bad shapes, ranges or non-finite values."""
+    _check_inputs(q, k, w, ks, ke)
+    s_q, h, d = q.shape
+    s_k = k.shape[0]
+    ks_host, ke_host = ks.tolist(), ke.tolist()
+    for t, (a, b) in enumerate(zip(ks_host, ke_host, strict=True)):
+        if a < 0 or b > s_k:
+            raise ValueError(f"query {t}: [ks, ke) = [{a}, {b}) leaves the keys [0, {s_k})")
+    q8, q_scale = quantize_fp8(q)
+    k8, k_scale = quantize_fp8(k)
+    bad = [
+        name
+        for name, x in (("q", q_scale), ("k", k_scale), ("w", w))
+        if not bool(torch.isfinite(x).all())
+    ]
+    if bad:
+        raise ValueError(
+            f"non-finite values (NaN or inf) in {', '.join(bad)}: the indexer refuses them"
+        )
+    wq = w.float() * q_scale
+    hp, dp = _next_pow2(h), max(32, _next_pow2(d))
+    s_kp = -(-s_k // KEY_PAD) * KEY_PAD
+    if hp != h or dp != d:
+        q8p = torch.zeros((s_q, hp, dp), dtype=q8.dtype, device=q.device)
+        q8p[:, :h, :d] = q8
+        wqp = torch.zeros((s_q, hp), dtype=torch.float32, device=q.device)
+        wqp[:, :h] = wq
+        q8, wq = q8p, wqp
+    if s_kp != s_k or dp != d:
+        k8p = torch.zeros((s_kp, dp), dtype=k8.dtype, device=k.device)
+        k8p[:s_k, :d] = k8
+        ksp = torch.zeros((s_kp,), dtype=torch.float32, device=k.device)
+        ksp[:s_k] = k_scale
+        k8, k_scale = k8p, ksp
+    return PreparedInputs(
+        q8=q8.reshape(s_q * hp, dp).contiguous(),
+        wq=wq.reshape(-1).contiguous(),
+        k8=k8.contiguous(),
+        k_scale=k_scale.contiguous(),
+        ks=ks.contiguous(),
+        ke=ke.contiguous(),
+        ks_host=ks_host,
+        ke_host=ke_host,
+        s_q=s_q,
+        s_k=s_k,
+        heads=hp,
+    )
+
+
+def plan_chunks(
+    ks: list[int],
+    ke: list[int],
+    s_kp: int,
+    extra_per_row: int,
+    max_chunk_bytes: int,
+    align: int = 64,
+) -> list[tuple[int, int, int, int]]:
+    """Query chunks (row0, row1, col0, width) whose logits + workspace fit max_chunk_bytes.
+
+    Pure function of the ranges: a chunk's key window is [col0, col0 + width), col0 the smallest
+    ks of its non-empty rows rounded down to 16 and width padded to 16; rows per chunk are a
+    multiple of `align` (whole query blocks), at least `align` even if that exceeds the bound.
+    """
+    s_q = len(ks)
+    per_row = 4 * s_kp + extra_per_row
+    rows = max(align, (max_chunk_bytes // per_row) // align * align)
+    chunks = []
+    for r0 in range(0, s_q, rows):
+        r1 = min(s_q, r0 + rows)
+        live = [(a, b) for a, b in zip(ks[r0:r1], ke[r0:r1], strict=True) if b > a]
+        if live:
+            col0 = min(a for a, _ in live) // KEY_PAD * KEY_PAD
+            width = -(-(max(b for _, b in live) - col0) // KEY_PAD) * KEY_PAD
+        else:
+            col0, width = 0, KEY_PAD
+        chunks.append((r0, r1, col0, width))
+    return chunks
+
+
+def indexer_topk_prepared(
+    p: PreparedInputs,
+    topk: int,
+    config: IndexerConfig = FIXED_CONFIG,
+    *,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """Top-k on prepared inputs. `stats`, if given, accumulates `fallback_rows` and `chunks`."""
+    if topk < 1:
+        raise ValueError(f"topk={topk}: must be >= 1")
+    dev = p.q8.device
+    out = torch.empty((p.s_q, topk), dtype=torch.int32, device=dev)
+    extra = TopkWorkspace.bytes_per_row(topk, config.topk)
+    chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, config.max_chunk_bytes)
+    max_rows = max((r1 - r0 for r0, r1, _, _ in chunks), default=0)
+    max_width = max((w for _, _, _, w in chunks), default=KEY_PAD)
+    buf = torch.empty(max_rows * max_width, dtype=torch.float32, device=dev)
+    ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
+    fallback = 0
+    for r0, r1, col0, width in chunks:
+        n = r1 - r0
+        logits = buf[: n * width].view(n, width)
+        launch_logits(
+            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
+            heads=p.heads, row0=r0, n_rows=n, col0=col0, config=config.logits,
+        )  # fmt: skip
+        fallback += _select_and_order(
+            logits, col0, p.ks, p.ke, ws, out, r0, topk, p.s_k, config.topk
+        )
+    if stats is not None:
+        stats["fallback_rows"] = stats.get("fallback_rows", 0) + fallback
+        stats["chunks"] = stats.get("chunks", 0) + len(chunks)
+    return out
+
+
+def _select_and_order(
+    logits: torch.Tensor,
+    col0: int,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    ws: TopkWorkspace,
+    out: torch.Tensor,
+    r0: int,
+    topk: int,
+    sentinel: int,
+    config: TopkConfig,
+) -> int:
+    """Top-k of the chunk's rows into out[r0 : r0 + rows]; returns how many rows took the torch path."""
+    n = logits.shape[0]
+    launch_select(
+        logits, col0, ks, ke, ws, topk=topk, row0=r0, n_rows=n, sentinel=sentinel, config=config
+    )
+    out[r0 : r0 + n] = finish_topk(ws, n, topk)
+    bad = torch.nonzero(ws.status[:n]).flatten()
+    if bad.numel():
+        rows = bad + r0
+        out[rows] = topk_rows_torch(logits[bad], col0, ks[rows], ke[rows], topk, sentinel)
+    return int(bad.numel())
+
+
+def topk_from_logits(
+    logits: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    topk: int,
+    *,
+    config: IndexerConfig = FIXED_CONFIG,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """The indexer's top-k on given fp32 scores [S_q, S_k] (only [ks, ke) is read); sentinel S_k."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(
+            f"logits must be float32 [S_q, S_k], got {logits.dtype} {tuple(logits.shape)}"
+        )
+    s_q, s_k = logits.shape
+    for name, x in (("ks", ks), ("ke", ke)):
+        if tuple(x.shape) != (s_q,) or x.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [S_q={s_q}], got {x.dtype} {tuple(x.shape)}")
+    if topk < 1:
+        raise ValueError(f"topk={topk}: must be >= 1")
+    if bool((ks < 0).any()) or bool((ke > s_k).any()):
+        raise ValueError(f"[ks, ke) must lie inside the keys [0, {s_k})")
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    per_row = 4 * s_k + TopkWorkspace.bytes_per_row(topk, config.topk)
+    rows = max(1, min(s_q, config.max_chunk_bytes // per_row))
+    out = torch.empty((s_q, topk), dtype=torch.int32, device=logits.device)
+    ws = TopkWorkspace.allocate(rows, topk, config.topk, logits.device)
+    fallback = 0
+    for r0 in range(0, s_q, rows):
+        r1 = min(s_q, r0 + rows)
+        fallback += _select_and_order(logits[r0:r1], 0, ks, ke, ws, out, r0, topk, s_k, config.topk)
+    if stats is not None:
+        stats["fallback_rows"] = stats.get("fallback_rows", 0) + fallback
+    return out
+
+
+def fp8_indexer_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    topk: int,
+    *,
+    config: IndexerConfig = FIXED_CONFIG,
+) -> torch.Tensor:
+    """Indices [S_q, topk] int32 of each query's top-k keys in [ks, ke) (see module docstring)."""
+    return indexer_topk_prepared(prepare_inputs(q, k, w, ks, ke), topk, config)
+
+
+def fp8_indexer_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    config: IndexerConfig = FIXED_CONFIG,
+) -> torch.Tensor:
+    """The fp32 indexer scores [S_q, S_k]; -inf outside each query's [ks, ke). Whole matrix."""
+    p = prepare_inputs(q, k, w, ks, ke)
+    out = torch.full((p.s_q, p.k8.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    launch_logits(
+        p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
+        heads=p.heads, row0=0, n_rows=p.s_q, col0=0, config=config.logits,
+    )  # fmt: skip
+    return out[:, : p.s_k]

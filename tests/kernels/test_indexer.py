@@ -1,0 +1,122 @@
+"""Public API: input checks, NaN policy, chunking, determinism within and across processes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import (
+    IndexerConfig,
+    fp8_indexer_logits,
+    fp8_indexer_topk,
+    indexer_topk_prepared,
+    plan_chunks,
+    prepare_inputs,
+)
+from kernels.topk import TopkWorkspace
+from tests.kernels._cases import SMALL, SMALL_TOPK, packed_ranges, random_inputs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _case(device: str, s_docs: list[int] = (90, 60, 47)) -> tuple:
+    ks, ke = packed_ranges(list(s_docs))
+    q, k, w = random_inputs(ks.numel(), 4, 32, seed=21, device=device)
+    return q, k, w, ks.to(device), ke.to(device)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "w"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_inputs_raise(where: str, bad: float, device: str) -> None:
+    q, k, w, ks, ke = _case(device)
+    x = {"q": q, "k": k, "w": w}[where]
+    x.view(-1)[17] = bad
+    with pytest.raises(ValueError, match=f"non-finite values .* in {where}"):
+        fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL)
+
+
+def test_bad_shapes_and_ranges_raise(device: str) -> None:
+    q, k, w, ks, ke = _case(device)
+    with pytest.raises(ValueError, match="q must be"):
+        fp8_indexer_topk(q[0], k, w, ks, ke, 8)
+    with pytest.raises(ValueError, match="w must be"):
+        fp8_indexer_topk(q, k, w[:, :2], ks, ke, 8)
+    with pytest.raises(ValueError, match="ks must be int32"):
+        fp8_indexer_topk(q, k, w, ks.long(), ke, 8)
+    with pytest.raises(ValueError, match="leaves the keys"):
+        fp8_indexer_topk(q, k[:100], w, ks, ke, 8)
+    with pytest.raises(ValueError, match="topk=0"):
+        fp8_indexer_topk(q, k, w, ks, ke, 0)
+
+
+def test_plan_chunks_is_pure_and_bounded() -> None:
+    ks, ke = packed_ranges([500, 300, 224])
+    ks, ke = ks.tolist(), ke.tolist()
+    chunks = plan_chunks(ks, ke, 1024, 0, max_chunk_bytes=4 * 1024 * 128)
+    assert [(a, b) for a, b, _, _ in chunks] == [
+        (r, min(r + 128, 1024)) for r in range(0, 1024, 128)
+    ]
+    for r0, r1, col0, width in chunks:
+        assert col0 % 16 == 0 and width % 16 == 0
+        assert col0 <= min(ks[r0:r1]) and max(ke[r0:r1]) <= col0 + width
+    assert chunks == plan_chunks(ks, ke, 1024, 0, max_chunk_bytes=4 * 1024 * 128)
+
+
+def test_chunked_equals_unchunked(device: str) -> None:
+    q, k, w, ks, ke = _case(device)
+    p = prepare_inputs(q, k, w, ks, ke)
+    per_row = 4 * p.k8.shape[0] + TopkWorkspace.bytes_per_row(8, SMALL_TOPK)
+    chunked = IndexerConfig(topk=SMALL_TOPK, max_chunk_bytes=64 * per_row)  # 64 rows a chunk
+    stats: dict = {}
+    a = indexer_topk_prepared(p, 8, chunked, stats=stats)
+    b = indexer_topk_prepared(p, 8, SMALL)
+    assert stats["chunks"] == 4  # 197 queries
+    assert torch.equal(a, b)
+
+
+def test_repeated_calls_are_bitwise_identical(device: str) -> None:
+    q, k, w, ks, ke = _case(device)
+    a = fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL)
+    b = fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL)
+    la = fp8_indexer_logits(q, k, w, ks, ke)
+    lb = fp8_indexer_logits(q, k, w, ks, ke)
+    assert torch.equal(a, b)
+    assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
+
+
+_CHILD = """
+import hashlib, torch
+from kernels import fp8_indexer_logits, fp8_indexer_topk
+from kernels.topk import TopkWorkspace
+from tests.kernels._cases import SMALL, packed_ranges, random_inputs
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+ks, ke = packed_ranges([90, 60, 47])
+q, k, w = random_inputs(ks.numel(), 4, 32, seed=21, device=dev)
+ks, ke = ks.to(dev), ke.to(dev)
+idx = fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL).cpu()
+lg = fp8_indexer_logits(q, k, w, ks, ke).cpu()
+print(hashlib.sha256(idx.numpy().tobytes() + lg.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_identical_across_processes(device: str) -> None:
+    q, k, w, ks, ke = _case(device)
+    idx = fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL).cpu()
+    lg = fp8_indexer_logits(q, k, w, ks, ke).cpu()
+    mine = hashlib.sha256(idx.numpy().tobytes() + lg.numpy().tobytes()).hexdigest()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == mine
