@@ -28,8 +28,10 @@ zero scale, never inside any [ks, ke)), H to a power of two (zero weights), D to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, launch_logits
@@ -74,8 +76,8 @@ class PreparedInputs:
     k_scale: torch.Tensor  # [S_kp] fp32
     ks: torch.Tensor  # [S_q] int32, on the device
     ke: torch.Tensor  # [S_q] int32, on the device
-    ks_host: list[int] = field(repr=False)
-    ke_host: list[int] = field(repr=False)
+    ks_host: np.ndarray = field(repr=False)  # int64 copies for chunk planning
+    ke_host: np.ndarray = field(repr=False)
     s_q: int = 0
     s_k: int = 0
     heads: int = 0  # padded
@@ -113,20 +115,28 @@ def prepare_inputs(
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape
     s_k = k.shape[0]
-    ks_host, ke_host = ks.tolist(), ke.tolist()
-    for t, (a, b) in enumerate(zip(ks_host, ke_host, strict=True)):
-        if a < 0 or b > s_k:
-            raise ValueError(f"query {t}: [ks, ke) = [{a}, {b}) leaves the keys [0, {s_k})")
     q8, q_scale = quantize_fp8(q)
     k8, k_scale = quantize_fp8(k)
-    bad = [
-        name
-        for name, x in (("q", q_scale), ("k", k_scale), ("w", w))
-        if not bool(torch.isfinite(x).all())
-    ]
-    if bad:
+    # one device -> host transfer: the ranges and every check
+    flags = torch.stack(
+        [
+            ~torch.isfinite(q_scale).all(),
+            ~torch.isfinite(k_scale).all(),
+            ~torch.isfinite(w).all(),
+            (ks < 0).any() | (ke > s_k).any(),
+        ]
+    ).to(torch.int64)
+    host = torch.cat([ks.long(), ke.long(), flags]).cpu().numpy()
+    ks_host, ke_host, bad = host[:s_q], host[s_q : 2 * s_q], host[2 * s_q :]
+    if bad[3]:
+        t = int(np.flatnonzero((ks_host < 0) | (ke_host > s_k))[0])
         raise ValueError(
-            f"non-finite values (NaN or inf) in {', '.join(bad)}: the indexer refuses them"
+            f"query {t}: [ks, ke) = [{ks_host[t]}, {ke_host[t]}) leaves the keys [0, {s_k})"
+        )
+    names = [name for name, b in zip("qkw", bad[:3], strict=True) if b]
+    if names:
+        raise ValueError(
+            f"non-finite values (NaN or inf) in {', '.join(names)}: the indexer refuses them"
         )
     wq = w.float() * q_scale
     hp, dp = _next_pow2(h), max(32, _next_pow2(d))
@@ -159,8 +169,8 @@ def prepare_inputs(
 
 
 def plan_chunks(
-    ks: list[int],
-    ke: list[int],
+    ks: np.ndarray,
+    ke: np.ndarray,
     s_kp: int,
     extra_per_row: int,
     max_chunk_bytes: int,
@@ -172,16 +182,16 @@ def plan_chunks(
     ks of its non-empty rows rounded down to 16 and width padded to 16; rows per chunk are a
     multiple of `align` (whole query blocks), at least `align` even if that exceeds the bound.
     """
-    s_q = len(ks)
+    ks, ke = np.asarray(ks, dtype=np.int64), np.asarray(ke, dtype=np.int64)
     per_row = 4 * s_kp + extra_per_row
     rows = max(align, (max_chunk_bytes // per_row) // align * align)
     chunks = []
-    for r0 in range(0, s_q, rows):
-        r1 = min(s_q, r0 + rows)
-        live = [(a, b) for a, b in zip(ks[r0:r1], ke[r0:r1], strict=True) if b > a]
-        if live:
-            col0 = min(a for a, _ in live) // KEY_PAD * KEY_PAD
-            width = -(-(max(b for _, b in live) - col0) // KEY_PAD) * KEY_PAD
+    for r0 in range(0, len(ks), rows):
+        r1 = min(len(ks), r0 + rows)
+        live = ke[r0:r1] > ks[r0:r1]
+        if live.any():
+            col0 = int(ks[r0:r1][live].min()) // KEY_PAD * KEY_PAD
+            width = -(-(int(ke[r0:r1][live].max()) - col0) // KEY_PAD) * KEY_PAD
         else:
             col0, width = 0, KEY_PAD
         chunks.append((r0, r1, col0, width))
@@ -194,8 +204,14 @@ def indexer_topk_prepared(
     config: IndexerConfig = FIXED_CONFIG,
     *,
     stats: dict | None = None,
+    launch: Callable[..., None] = launch_logits,
 ) -> torch.Tensor:
-    """Top-k on prepared inputs. `stats`, if given, accumulates `fallback_rows` and `chunks`."""
+    """Top-k on prepared inputs.
+
+    `stats`, if given, accumulates `fallback_rows` and `chunks`, and with `stats["timing"] = True`
+    also `logits_ms` and `topk_ms` (CUDA events around each stage; adds one sync at the end).
+    `launch` replaces the logits launcher (benchmarks/indexer_peers.py passes its autotuned one).
+    """
     if topk < 1:
         raise ValueError(f"topk={topk}: must be >= 1")
     dev = p.q8.device
@@ -207,16 +223,31 @@ def indexer_topk_prepared(
     buf = torch.empty(max_rows * max_width, dtype=torch.float32, device=dev)
     ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
     fallback = 0
+    timing = bool(stats and stats.get("timing")) and dev.type == "cuda"
+    marks = []
     for r0, r1, col0, width in chunks:
         n = r1 - r0
         logits = buf[: n * width].view(n, width)
-        launch_logits(
+        if timing:
+            marks.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
+            marks[-1][0].record()
+        launch(
             p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
             heads=p.heads, row0=r0, n_rows=n, col0=col0, config=config.logits,
         )  # fmt: skip
+        if timing:
+            marks[-1][1].record()
         fallback += _select_and_order(
             logits, col0, p.ks, p.ke, ws, out, r0, topk, p.s_k, config.topk
         )
+        if timing:
+            marks[-1][2].record()
+    if timing:
+        torch.cuda.synchronize()
+        stats["logits_ms"] = stats.get("logits_ms", 0.0) + sum(
+            a.elapsed_time(b) for a, b, _ in marks
+        )
+        stats["topk_ms"] = stats.get("topk_ms", 0.0) + sum(b.elapsed_time(c) for _, b, c in marks)
     if stats is not None:
         stats["fallback_rows"] = stats.get("fallback_rows", 0) + fallback
         stats["chunks"] = stats.get("chunks", 0) + len(chunks)

@@ -12,6 +12,8 @@ Dtype and layout rules (checked by the launcher, `kernels.fp8_indexer` pads to m
   compiled kernel (Triton specialises integer arguments on divisibility by 16).
 - H and D powers of two, D >= 32 (fp8 wgmma has k = 32); H <= block_n.
 - out: float32, row stride a multiple of 16 elements; written at column `s - col0`.
+- row0, n_rows and col0 are not specialised on (`do_not_specialize`), so chunk offsets and row
+  counts never trigger a recompile: one binary per (H, D, config) serves every length.
 
 Blocking. One program owns block_q = block_n // H consecutive queries, i.e. block_n (query,
 head) rows held in shared memory as the MMA's B operand, and streams key tiles of block_k rows
@@ -68,7 +70,7 @@ class LogitsConfig:
 FIXED_LOGITS_CONFIG = LogitsConfig(block_n=256, block_k=64, num_warps=4, num_stages=3)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "n_rows", "col0"])
 def _indexer_logits_kernel(
     q_ptr,
     wq_ptr,

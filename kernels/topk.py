@@ -122,7 +122,7 @@ def _compact_pass(row_base, cand, ks, ke, thr, todo, CAP: tl.constexpr, BLOCK: t
     return count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["col0", "row0", "n_rows", "sentinel", "topk", "target"])
 def _select_kernel(
     logits_ptr,
     stride_l,

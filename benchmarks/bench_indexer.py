@@ -1,0 +1,386 @@
+"""Benchmark the fixed-config fp8 indexer (issue 5) on the GPU; prints tables, appends RESULTS.md.
+
+    python benchmarks/bench_indexer.py [--out DIR] [--quick] [--no-append]
+
+One run measures, for S in {4K..128K}, H in {64, 32}, D = 128, topk = 2048, and two rows (one
+causal document; a packed row of six documents):
+- TFLOP/s of the logits kernel, counted as 2*H*D*(valid (query, key) pairs);
+- logits ms, top-k ms (select kernel + stable sort + fallback), end-to-end ms (quantize, checks,
+  every chunk; wall clock from the host, synchronised);
+- fixed / best: the fixed config's logits time over the best of `SWEEP_CONFIGS` (the wider
+  sweep, benchmarks/indexer_peers.py) at that shape, both measured in the same loop;
+plus a top-k config sweep at S=64K, torch.topk over full logits at S=32K for scale, and the
+varied-row test: ten packed rows of 16K-32K tokens through the fixed config and through the
+autotuned-per-length peer, tuning included.
+
+Kernels are compiled up front in parallel worker processes (each a tiny launch that fills
+Triton's on-disk cache), so compile time does not pollute the timings and a lease is not spent
+compiling serially. Absolute times are only meaningful from the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from benchmarks.indexer_peers import SWEEP_CONFIGS, autotuned_indexer_topk, fresh_autotuned_launcher
+from kernels.fp8_indexer import (
+    FIXED_CONFIG,
+    PreparedInputs,
+    fp8_indexer_logits,
+    fp8_indexer_topk,
+    indexer_topk_prepared,
+    plan_chunks,
+    prepare_inputs,
+)
+from kernels.logits import LogitsConfig, launch_logits
+from kernels.topk import TopkConfig, TopkWorkspace
+
+D = 128
+TOPK = 2048
+SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
+HEADS = [64, 32]
+DOC_FRACTIONS = [0.30, 0.05, 0.20, 0.10, 0.25, 0.10]  # the packed row: six documents
+TOPK_SWEEP = [TopkConfig(block=b, num_warps=nw) for nw in (4, 8) for b in (1024, 2048, 4096)]
+
+
+# ----------------------------------------------------------------------------- inputs
+def row_ranges(s: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ks/ke of one row of s tokens: one causal document, or DOC_FRACTIONS of s back to back."""
+    if packed:
+        lens = [int(f * s) // 8 * 8 for f in DOC_FRACTIONS]
+        lens[-1] = s - sum(lens[:-1])
+    else:
+        lens = [s]
+    ks = np.concatenate([np.full(n, sum(lens[:i])) for i, n in enumerate(lens)])
+    ke = np.arange(1, s + 1)
+    return torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32)
+
+
+def random_row(s: int, h: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(s, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(s, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(s, h, device="cuda", generator=g) / h**0.5
+    return q, k, w
+
+
+# ----------------------------------------------------------------------------- timing
+def wall_ms(fn, reps: int, warmup: int = 1) -> float:
+    """Median host wall time of fn() with the device synchronised before and after."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def event_ms(fn, reps: int, warmup: int = 1) -> float:
+    """Median device time of fn() (async launches only) between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def logits_runner(p: PreparedInputs, cfg: LogitsConfig):
+    """All chunks' logits launches of a topk call, for timing one logits config alone."""
+    extra = TopkWorkspace.bytes_per_row(TOPK, FIXED_CONFIG.topk)
+    chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
+    rows = max(r1 - r0 for r0, r1, _, _ in chunks)
+    buf = torch.empty(rows * max(w for *_, w in chunks), dtype=torch.float32, device="cuda")
+
+    def run() -> None:
+        for r0, r1, col0, width in chunks:
+            out = buf[: (r1 - r0) * width].view(r1 - r0, width)
+            launch_logits(
+                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
+                heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, config=cfg,
+            )  # fmt: skip
+
+    return run
+
+
+# ----------------------------------------------------------------------------- compile up front
+def _warm_one(job: tuple) -> tuple[str, float]:
+    """Worker: compile one kernel config by a tiny launch (fills the shared on-disk cache)."""
+    kind, h, cfg = job
+    t0 = time.perf_counter()
+    ks, ke = row_ranges(256, packed=False)
+    q, k, w = random_row(256, h, seed=0)
+    ks, ke = ks.cuda(), ke.cuda()
+    if kind == "logits":
+        p = prepare_inputs(q, k, w, ks, ke)
+        logits_runner(p, cfg)()
+    else:
+        fp8_indexer_topk(q, k, w, ks, ke, TOPK, config=dataclasses.replace(FIXED_CONFIG, topk=cfg))
+    torch.cuda.synchronize()
+    return f"{kind} H={h} {cfg}", time.perf_counter() - t0
+
+
+def warm_compile(workers: int) -> list[tuple[str, float]]:
+    jobs = [("logits", h, c) for h in HEADS for c in SWEEP_CONFIGS]
+    jobs += [("topk", 64, c) for c in TOPK_SWEEP]
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+        return list(ex.map(_warm_one, jobs))
+
+
+# ----------------------------------------------------------------------------- the shape table
+def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool) -> dict:
+    ks, ke = row_ranges(s, packed)
+    pairs = int((ke - ks).clamp_min(0).sum())
+    q, k, w = random_row(s, h, seed=s + h + packed)
+    ks, ke = ks.cuda(), ke.cuda()
+    flops = 2 * h * D * pairs
+    p = prepare_inputs(q, k, w, ks, ke)
+    res: dict = {"S": s, "H": h, "row": "packed x6" if packed else "causal", "pairs": pairs}
+
+    res["e2e_ms"] = wall_ms(lambda: fp8_indexer_topk(q, k, w, ks, ke, TOPK), reps)
+    stage = []
+    for _ in range(reps):
+        st = {"timing": True}
+        indexer_topk_prepared(p, TOPK, stats=st)
+        stage.append(st)
+    res["logits_ms"] = statistics.median(x["logits_ms"] for x in stage)
+    res["topk_ms"] = statistics.median(x["topk_ms"] for x in stage)
+    res["fallback_rows"] = stage[-1]["fallback_rows"]
+    res["chunks"] = stage[-1]["chunks"]
+    res["prepare_ms"] = wall_ms(lambda: prepare_inputs(q, k, w, ks, ke), reps)
+    fixed = FIXED_CONFIG.logits
+    res["fixed_logits_ms"] = event_ms(logits_runner(p, fixed), reps)
+    res["tflops"] = flops / (res["fixed_logits_ms"] * 1e9)
+    if sweep:
+        cfg_ms = {}
+        for cfg in SWEEP_CONFIGS:
+            if cfg.block_n >= h:
+                cfg_ms[label(cfg)] = event_ms(logits_runner(p, cfg), max(2, reps - 1))
+        best = min(cfg_ms, key=cfg_ms.get)
+        res["sweep_ms"] = cfg_ms
+        res["best_config"] = best
+        res["best_ms"] = cfg_ms[best]
+        res["fixed_over_best"] = cfg_ms[label(fixed)] / cfg_ms[best]
+    return res
+
+
+def bench_topk_sweep(s: int, reps: int) -> list[list]:
+    """Top-k configs at one shape (H=64 causal): select + order ms for each."""
+    ks, ke = row_ranges(s, packed=False)
+    q, k, w = random_row(s, 64, seed=7)
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    rows = []
+    for cfg in TOPK_SWEEP:
+        icfg = dataclasses.replace(FIXED_CONFIG, topk=cfg)
+        ms = []
+        for _ in range(reps + 1):
+            st = {"timing": True}
+            indexer_topk_prepared(p, TOPK, icfg, stats=st)
+            ms.append(st["topk_ms"])
+        rows.append(
+            [
+                f"block={cfg.block} warps={cfg.num_warps}",
+                f"{statistics.median(ms[1:]):.2f}",
+                st["fallback_rows"],
+            ]
+        )
+    return rows
+
+
+def torch_topk_reference(s: int, reps: int) -> float:
+    """torch.topk(sorted) over the full [S, S] logits (-inf masked): the issue's baseline."""
+    ks, ke = row_ranges(s, packed=False)
+    q, k, w = random_row(s, 64, seed=9)
+    logits = fp8_indexer_logits(q, k, w, ks.cuda(), ke.cuda())
+    return event_ms(lambda: torch.topk(logits, TOPK, dim=1), reps)
+
+
+# ----------------------------------------------------------------------------- varied rows
+def bench_varied_rows(h: int = 64) -> dict:
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(16384 // 8, 32768 // 8 + 1, size=10) * 8]
+    rows = []
+    for i, s in enumerate(lengths):
+        ks, ke = row_ranges(s, packed=True)
+        q, k, w = random_row(s, h, seed=100 + i)
+        rows.append((q, k, w, ks.cuda(), ke.cuda()))
+
+    def run_all(fn) -> list[float]:
+        out = []
+        for q, k, w, ks, ke in rows:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(q, k, w, ks, ke, TOPK)
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    fixed = run_all(fp8_indexer_topk)
+    launcher = fresh_autotuned_launcher()
+    peer_cold = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher))
+    peer_warm = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher))
+    same = all(
+        torch.equal(fp8_indexer_topk(*r, TOPK), autotuned_indexer_topk(*r, TOPK, launcher=launcher))
+        for r in rows[:2]
+    )
+    return {
+        "lengths": lengths,
+        "fixed_s": sum(fixed),
+        "peer_cold_s": sum(peer_cold),
+        "peer_warm_s": sum(peer_warm),
+        "fixed_rows_s": fixed,
+        "peer_cold_rows_s": peer_cold,
+        "same_indices": same,
+        "peer_configs": launcher.best_configs(),
+    }
+
+
+# ----------------------------------------------------------------------------- report
+def label(c: LogitsConfig) -> str:
+    return f"n{c.block_n}/k{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+
+
+def guarded(name: str, fn):
+    """Run one section; a failure is printed with its traceback and named in the output, and the
+    remaining sections still run (a lease is too short to lose the rest to one broken shape)."""
+    try:
+        return fn()
+    except Exception as exc:
+        traceback.print_exc()
+        print(f"SECTION FAILED: {name}: {exc!r}", flush=True)
+        return None
+
+
+def shape_table(results: list[dict]) -> str:
+    headers = ["H", "row", "S", "valid pairs", "logits ms", "TFLOP/s", "top-k ms", "total ms",
+               "fixed/best", "best of sweep", "fallback rows"]  # fmt: skip
+    rows = [
+        [
+            r["H"],
+            r["row"],
+            f"{r['S'] // 1024}K",
+            f"{r['pairs']:.3e}",
+            f"{r['fixed_logits_ms']:.2f}",
+            f"{r['tflops']:.0f}",
+            f"{r['topk_ms']:.2f}",
+            f"{r['e2e_ms']:.2f}",
+            f"{r.get('fixed_over_best', float('nan')):.3f}",
+            r.get("best_config", "-"),
+            r["fallback_rows"],
+        ]
+        for r in results
+    ]
+    return markdown_table(headers, rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for markdown + json")
+    ap.add_argument("--quick", action="store_true", help="S <= 16K, no sweep, no varied rows")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--no-append", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--skip-varied", action="store_true", help="no varied-row test")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_indexer.py needs a CUDA GPU (run it through the device tool)")
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    sizes = [s for s in SIZES if s <= 16384] if args.quick else SIZES
+
+    t0 = time.perf_counter()
+    compiled = guarded("parallel compile", lambda: warm_compile(args.workers)) or []
+    print(
+        f"compiled {len(compiled)} kernels in {time.perf_counter() - t0:.1f} s (parallel)",
+        flush=True,
+    )
+
+    results = []
+    for h in HEADS:
+        for s in sizes:
+            for packed in (False, True):
+                r = guarded(
+                    f"shape S={s} H={h} packed={packed}",
+                    lambda s=s, h=h, packed=packed: bench_shape(
+                        s, h, packed, args.reps, not args.quick
+                    ),
+                )
+                if r is None:
+                    continue
+                results.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "sweep_ms"}), flush=True)
+                if out:
+                    (out / "indexer_shapes.json").write_text(json.dumps(results, indent=1))
+    body = f"### Fixed config {label(FIXED_CONFIG.logits)}, topk {TOPK}, D 128\n\n"
+    body += shape_table(results) + "\n"
+    extra = {}
+    if not args.quick:
+        tk = guarded("top-k sweep", lambda: bench_topk_sweep(65536, args.reps))
+        if tk:
+            body += "\n### Top-k configs at S=64K, H=64, causal (select + stable sort)\n\n"
+            body += markdown_table(["config", "top-k ms", "fallback rows"], tk) + "\n"
+        ref = guarded("torch.topk", lambda: torch_topk_reference(32768, args.reps))
+        if ref is not None:
+            extra["torch_topk_32k_ms"] = ref
+            body += f"\ntorch.topk(sorted) over the full 32K x 32K logits: {ref:.2f} ms\n"
+    if not args.quick and not args.skip_varied:
+        v = guarded("varied rows", bench_varied_rows)
+    else:
+        v = None
+    if v:
+        extra["varied"] = v
+        body += "\n### Varied rows: 10 packed rows of " + ", ".join(
+            f"{x / 1024:.1f}K" for x in v["lengths"]
+        )
+        body += " tokens (H=64)\n\n" + markdown_table(
+            ["indexer", "10 rows, s", "per row, ms"],
+            [
+                ["fixed config", f"{v['fixed_s']:.3f}", f"{1e3 * v['fixed_s'] / 10:.1f}"],
+                ["autotuned per length, tuning included", f"{v['peer_cold_s']:.3f}", f"{1e3 * v['peer_cold_s'] / 10:.1f}"],
+                ["autotuned, second pass (tuned)", f"{v['peer_warm_s']:.3f}", f"{1e3 * v['peer_warm_s'] / 10:.1f}"],
+            ],
+        )  # fmt: skip
+        body += (
+            f"\n\nratio autotuned (with tuning) / fixed: {v['peer_cold_s'] / v['fixed_s']:.1f}x; "
+        )
+        body += f"indices identical to the fixed config's: {v['same_indices']}\n"
+    print("\n" + body)
+    if out:
+        (out / "indexer_bench.md").write_text(body)
+        (out / "indexer_extra.json").write_text(json.dumps(extra, indent=1, default=str))
+        (out / "indexer_compile.json").write_text(json.dumps(compiled, indent=1))
+        (out / "indexer_meta.json").write_text(
+            json.dumps({"machine": machine_description(), "command": command_line()})
+        )
+    if not args.no_append:
+        append_result("fp8 indexer (issue 5): fixed config vs sweep, top-k, varied rows", body)
+
+
+if __name__ == "__main__":
+    main()
