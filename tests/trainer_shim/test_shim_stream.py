@@ -1,0 +1,221 @@
+"""PackedShardStream on local datasets: what a rank receives, fillers, bad configurations,
+corruption, the shard cache and the prefetch thread."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from packers import FormatError, ShardDataset
+from trainer_shim import PackedShardStream
+from trainer_shim.microbatch import build_microbatch
+from trainer_shim.synthetic import write_synthetic_dataset
+
+
+def collect(stream: PackedShardStream) -> list[dict]:
+    return list(stream)
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+def test_rank_gets_its_rows_with_correct_contents(small_dataset: Path):
+    ds = ShardDataset.open(str(small_dataset))
+    streams = [
+        PackedShardStream(str(small_dataset), dp_rank=r, dp_size=2, rows_per_step=6, seed=3)
+        for r in range(2)
+    ]
+    lengths = [len(s) for s in streams]
+    per_rank = [collect(s) for s in streams]
+    assert len(per_rank[0]) == len(per_rank[1]) == lengths[0] == lengths[1] == 24
+    assert len(streams[0]) == 0
+    rows = [mb["row"] for mbs in per_rank for mb in mbs if mb["row"] >= 0]
+    assert sorted(rows) == list(range(ds.num_rows))  # every row once over the DP group
+    for mbs in per_rank:
+        for i, mb in enumerate(mbs):
+            assert (mb["step"], mb["micro_step"], mb["num_micro_steps"]) == (i // 3, i % 3, 3)
+            if mb["row"] < 0:
+                continue
+            row = ds.read_row(mb["row"])
+            want = build_microbatch(
+                row["input_ids"], row["loss_mask"], row["doc_lens"], row=mb["row"]
+            )
+            for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "ks", "ke"):
+                assert np.array_equal(mb[k].numpy(), want[k]), k
+            assert mb["input_ids"].dtype == torch.int64 and mb["cu_seqlens"].dtype == torch.int32
+            assert mb["num_tokens"] == row["num_tokens"]
+
+
+def test_short_last_step_is_completed_with_fillers(small_dataset: Path):
+    n = ShardDataset.open(str(small_dataset)).num_rows  # 48 rows; 5 per step per rank x 2 ranks
+    mbs = [
+        collect(PackedShardStream(str(small_dataset), dp_rank=r, dp_size=2, rows_per_step=10))
+        for r in range(2)
+    ]
+    assert len(mbs[0]) == len(mbs[1]) == 5 * -(-n // 10)
+    fillers = [mb for m in mbs for mb in m if mb["row"] == -1]
+    assert len(fillers) == 10 * -(-n // 10) - n
+    for f in fillers:
+        assert f["num_tokens"] == f["num_loss_tokens"] == 0 and (f["labels"] == -100).all()
+        assert f["step"] == -(-n // 10) - 1
+
+
+def test_read_paths_agree(small_dataset: Path, tmp_path: Path):
+    """One read thread, four, a cache with a tight limit: the same micro-batches."""
+    kw = dict(
+        dp_rank=1,
+        dp_size=2,
+        cp_rank=1,
+        cp_size=2,
+        rows_per_step=4,
+        seed=9,
+        cp_layout="zigzag",
+        epochs=2,
+    )
+    base = collect(PackedShardStream(str(small_dataset), read_threads=1, prefetch=1, **kw))
+    threaded = collect(PackedShardStream(str(small_dataset), read_threads=4, prefetch=16, **kw))
+    biggest = max(s.bytes for s in ShardDataset.open(str(small_dataset)).shards)
+    cached_stream = PackedShardStream(
+        str(small_dataset), cache_dir=tmp_path / "c", cache_limit_bytes=2 * biggest, **kw
+    )
+    cached = collect(cached_stream)
+    assert len(base) == len(threaded) == len(cached) > 0
+    assert all(same(a, b) and same(a, c) for a, b, c in zip(base, threaded, cached, strict=True))
+    assert cached_stream.cache is not None
+    assert cached_stream.cache.evictions > 0 and cached_stream.cache.used_bytes <= 2 * biggest
+
+
+@pytest.fixture
+def copy_of(small_dataset: Path, tmp_path: Path):
+    def make() -> Path:
+        out = tmp_path / "copy"
+        shutil.copytree(small_dataset, out)
+        return out
+
+    return make
+
+
+def corrupt_shard(root: Path) -> None:
+    """Flip one bit of a token id of shard 0's row 5 (inside the data, not the metadata)."""
+    ids = ShardDataset.open(str(root)).read_row(5)["input_ids"]
+    shard = root / json.loads((root / "manifest.json").read_text())["shards"][0]["path"]
+    data = bytearray(shard.read_bytes())
+    at = bytes(data).find(np.asarray(ids, dtype=np.int32)[:8].tobytes())
+    assert at > 0
+    data[at + 9] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def test_corrupted_shard_is_detected_by_row_checksums(copy_of):
+    root = copy_of()
+    corrupt_shard(root)
+    stream = PackedShardStream(str(root), dp_rank=0, dp_size=1, rows_per_step=48, shuffle=False)
+    with pytest.raises(
+        FormatError, match=r"part-00000\.arrow: row \d+ does not match its checksum"
+    ):
+        collect(stream)
+
+
+def test_corrupted_shard_is_refused_by_the_cache(copy_of, tmp_path: Path):
+    root = copy_of()
+    corrupt_shard(root)
+    stream = PackedShardStream(
+        str(root), dp_rank=0, dp_size=1, rows_per_step=4, cache_dir=tmp_path / "cache"
+    )
+    with pytest.raises(
+        FormatError, match=r"part-00000\.arrow: downloaded \d+ bytes with checksum .*corrupted"
+    ):
+        collect(stream)
+    assert not list((tmp_path / "cache").rglob("part-00000.arrow*"))  # nothing kept
+
+
+def test_errors_arrive_after_the_good_micro_batches(copy_of):
+    root = copy_of()
+    (root / "shards" / "part-00002.arrow").unlink()
+    stream = PackedShardStream(
+        str(root), dp_rank=0, dp_size=1, rows_per_step=2, shuffle=False, balance="count", prefetch=2
+    )
+    got = []
+    with pytest.raises((FileNotFoundError, FormatError)):
+        for mb in stream:
+            got.append(mb["row"])
+    assert got == list(range(32))  # shards 0 and 1 (16 rows each) were delivered in order
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"cp_size": 8, "cp_rank": 0},
+            r"padded to a multiple of 4, but cp_size=8 .* needs a multiple of 8; re-pack with `--pad-multiple 8`",
+        ),
+        ({"cp_size": 4, "cp_rank": 0, "cp_layout": "zigzag"}, r"re-pack with `--pad-multiple 8`"),
+        ({"seq_len": 1024}, r"packed with seq_len=512, the stream expects seq_len=1024"),
+        (
+            {"rows_per_step": 3},
+            r"rows_per_step=3 is invalid: must be a positive multiple of dp_size=2",
+        ),
+        ({"dp_rank": 2}, r"dp_rank=2 is invalid: must be in \[0, dp_size=2\)"),
+        ({"cp_layout": "ring"}, r"cp_layout='ring' is invalid"),
+        ({"balance": "tokens"}, r"balance='tokens' is invalid"),
+        ({"prefetch": 0}, r"prefetch=0 is invalid"),
+    ],
+)
+def test_bad_configs_raise_at_construction(small_dataset: Path, kwargs, match):
+    args = {"dp_rank": 0, "dp_size": 2, "rows_per_step": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        PackedShardStream(str(small_dataset), **args)
+
+
+def test_not_a_dataset(tmp_path: Path):
+    with pytest.raises(FormatError, match=r"no manifest\.json"):
+        PackedShardStream(str(tmp_path), dp_rank=0, dp_size=1, rows_per_step=1)
+
+
+def test_cache_limit_below_a_shard(small_dataset: Path, tmp_path: Path):
+    with pytest.raises(ValueError, match="smaller than the largest shard"):
+        PackedShardStream(
+            str(small_dataset),
+            dp_rank=0,
+            dp_size=1,
+            rows_per_step=1,
+            cache_dir=tmp_path,
+            cache_limit_bytes=10,
+        )
+
+
+def test_indivisible_row_in_index_is_refused(tmp_path: Path):
+    # pad_multiple 2 claims cp=2 zigzag fails at the manifest check; a lying manifest is caught per row
+    out = tmp_path / "odd"
+    write_synthetic_dataset(str(out), lengths=[5, 7, 9], seq_len=16, pad_multiple=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["config"]["pad_multiple"] = 2
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        ValueError,
+        match=r"index.arrow: row \d+ .* has length \d+, not a multiple of 2 .*--pad-multiple 4",
+    ):
+        PackedShardStream(str(out), dp_rank=0, dp_size=1, cp_size=2, cp_rank=0, rows_per_step=1)
+
+
+def test_endless_stream_and_break(small_dataset: Path):
+    stream = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, epochs=None
+    )
+    with pytest.raises(TypeError):
+        len(stream)
+    it = iter(stream)
+    mbs = [next(it) for _ in range(61)]
+    assert mbs[-1]["epoch"] == 1  # 48 rows per epoch
+    assert (
+        stream.state_dict()["position"]["step"] == 15
+        and stream.state_dict()["position"]["micro_step"] == 1
+    )

@@ -1,0 +1,160 @@
+"""One packed row -> the arrays a CP rank trains on: labels, position ids, cu_seqlens, ks/ke.
+
+Conventions (the data contract the trainer, the fp8 indexer and the GPU ablation rely on):
+
+- **Labels are already shifted.** ``labels[t]`` is the target of position t: the token at
+  t+1 when t+1 is in the same document and ``loss_mask[t+1]`` is true, else -100
+  (`IGNORE_INDEX`). So the last token of every document, every padding position and the row's
+  last position hold -100, and a document's first token is never anybody's target (the label
+  "at every document start" is dropped). The loss is ``cross_entropy(logits[t], labels[t])``
+  with no shift in the trainer, which is what CP needs: a rank's last position's target lives
+  in the next rank's chunk and is already in ``labels``.
+  For a packed row this gives exactly the per-document losses: summed over the row it equals
+  the sum, over its documents, of the usual Hugging Face causal-LM loss of each document alone
+  (``labels = input_ids`` where ``loss_mask`` else -100, shifted inside the model), provided
+  attention is masked per document and position ids restart (below).
+- **num_loss_tokens** is the number of positions of the whole row with ``labels != -100``,
+  i.e. index.arrow's ``num_loss_tokens`` minus the documents whose first token had loss on
+  (equal for chat data, whose documents start with a prompt). Divide a summed loss by the sum
+  of it over the DP group to get the per-token mean.
+- **position_ids** restart at 0 at every document start; the padding at the row's end counts
+  as one more segment (0, 1, ...).
+- **cu_seqlens** (int32) are the segment boundaries of the whole row in row coordinates:
+  ``[0, end of doc 0, ..., num_tokens]``, plus ``padded_len`` when the row has padding (the
+  padding is its own segment, so ``cu_seqlens[-1]`` is always the row's length, as varlen
+  attention kernels expect).
+- **ks/ke** (int32), one per query position this rank holds, in whole-row key coordinates:
+  query at row position p of a document starting at s may attend keys ``ks <= key < ke`` with
+  ``ks = s`` and ``ke = p + 1`` (causal, inside its document). A padding position p gets the
+  empty range ``ks = ke = p``: it selects no key (the indexer returns only its sentinel).
+
+Every array is computed for the whole row, then this rank's positions are taken
+(`trainer_shim.cp`). All of it is vectorised numpy: ~15 array passes per row, no Python loop
+per token or document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainer_shim.cp import CpLayout, cp_positions
+
+IGNORE_INDEX = -100
+TENSOR_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "ks", "ke")
+
+
+def segments(doc_lens: np.ndarray, padded_len: int) -> np.ndarray:
+    """Segment lengths of the row: its documents, then the padding if any (int64)."""
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    pad = padded_len - int(doc_lens.sum())
+    if pad < 0:
+        raise ValueError(
+            f"documents hold {int(doc_lens.sum())} tokens, more than the row's {padded_len}"
+        )
+    return np.append(doc_lens, pad) if pad else doc_lens
+
+
+def cu_seqlens_of(doc_lens: np.ndarray, padded_len: int) -> np.ndarray:
+    """[0, cumulative segment ends...] as int32 (see the module docstring)."""
+    seg = segments(doc_lens, padded_len)
+    out = np.zeros(seg.size + 1, dtype=np.int32)
+    np.cumsum(seg, out=out[1:])
+    return out
+
+
+def position_ids_of(cu_seqlens: np.ndarray) -> np.ndarray:
+    """Position within its segment of every position of the row (int64)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lens = np.diff(cu)
+    return np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+
+
+def labels_of(input_ids: np.ndarray, loss_mask: np.ndarray, doc_lens: np.ndarray) -> np.ndarray:
+    """Shifted labels of the whole row (int64; see the module docstring)."""
+    n = input_ids.size
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    if n < 2:
+        return labels
+    valid = np.array(loss_mask[1:], dtype=np.bool_)  # target of t is token t+1
+    starts = np.cumsum(np.asarray(doc_lens, dtype=np.int64))[:-1]  # starts of docs 1..D-1
+    valid[starts[starts < n] - 1] = False  # never predict the next document's first token
+    labels[:-1][valid] = input_ids[1:][valid]
+    return labels
+
+
+def key_ranges(
+    cu_seqlens: np.ndarray, num_tokens: int, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ks, ke) int32 for the queries at `positions` (row coordinates)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    pos = np.asarray(positions, dtype=np.int64)
+    seg = np.searchsorted(cu, pos, side="right") - 1
+    ks = cu[seg]
+    ke = pos + 1
+    pad = pos >= num_tokens
+    ks = np.where(pad, pos, ks)
+    ke = np.where(pad, pos, ke)
+    return ks.astype(np.int32), ke.astype(np.int32)
+
+
+def build_microbatch(
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    doc_lens: np.ndarray,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "contiguous",
+    row: int = -1,
+) -> dict[str, Any]:
+    """This CP rank's arrays of one row (numpy), plus the whole row's counts."""
+    input_ids = np.asarray(input_ids)
+    padded_len = int(input_ids.size)
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    num_tokens = int(doc_lens.sum())
+    cu = cu_seqlens_of(doc_lens, padded_len)
+    labels = labels_of(input_ids, loss_mask, doc_lens)
+    num_loss_tokens = int(np.count_nonzero(labels != IGNORE_INDEX))
+    pos_ids = position_ids_of(cu)
+    ids = input_ids.astype(np.int64)
+    if cp_size > 1:
+        local = cp_positions(padded_len, cp_size, cp_rank, cp_layout, row=row)
+        ids, labels, pos_ids = ids[local], labels[local], pos_ids[local]
+    else:
+        local = np.arange(padded_len, dtype=np.int64)
+    ks, ke = key_ranges(cu, num_tokens, local)
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": pos_ids,
+        "cu_seqlens": cu,
+        "ks": ks,
+        "ke": ke,
+        "num_tokens": num_tokens,
+        "num_loss_tokens": num_loss_tokens,
+        "padded_len": padded_len,
+        "attn_cost": int((doc_lens * doc_lens).sum()),
+        "row": row,
+    }
+
+
+def filler_microbatch(
+    length: int,
+    pad_token_id: int,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "contiguous",
+) -> dict[str, Any]:
+    """A row of `length` padding tokens with no loss and no true tokens (row -1)."""
+    ids = np.full(length, pad_token_id, dtype=np.int32)
+    return build_microbatch(
+        ids,
+        np.zeros(length, np.bool_),
+        np.zeros(0, np.int64),
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+    )
