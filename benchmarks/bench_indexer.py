@@ -40,6 +40,7 @@ from benchmarks._results import append_result, command_line, machine_description
 from benchmarks.indexer_peers import SWEEP_CONFIGS, autotuned_indexer_topk, fresh_autotuned_launcher
 from kernels.fp8_indexer import (
     FIXED_CONFIG,
+    IndexerConfig,
     PreparedInputs,
     fp8_indexer_logits,
     fp8_indexer_topk,
@@ -55,7 +56,14 @@ TOPK = 2048
 SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
 HEADS = [64, 32]
 DOC_FRACTIONS = [0.30, 0.05, 0.20, 0.10, 0.25, 0.10]  # the packed row: six documents
-TOPK_SWEEP = [TopkConfig(block=b, num_warps=nw) for nw in (4, 8) for b in (1024, 2048, 4096)]
+TOPK_SWEEP = [
+    TopkConfig(select="bitwise", rows_per_program=1, num_warps=8, block=2048),
+    TopkConfig(select="radix", rows_per_program=1, num_warps=8, block=2048),
+    TopkConfig(select="bitwise", rows_per_program=2, num_warps=8, block=2048),
+    TopkConfig(select="bitwise", rows_per_program=2, num_warps=16, block=4096),
+    TopkConfig(select="radix", rows_per_program=1, num_warps=16, block=4096),
+    TopkConfig(select="bitwise", rows_per_program=1, num_warps=16, block=4096),
+]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -94,12 +102,16 @@ def wall_ms(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def event_ms(fn, reps: int, warmup: int = 1) -> float:
-    """Median device time of fn() (async launches only) between two CUDA events."""
+def event_ms(fn, reps: int, warmup: int = 1, min_total_ms: float = 40.0) -> float:
+    """Median device time of fn() (async launches only) between two CUDA events.
+
+    Short kernels get more repetitions, up to 25 or `min_total_ms` of timed work: at 0.1-0.2 ms
+    two repetitions moved a config's ratio by 20% in the first H200 run.
+    """
     for _ in range(warmup):
         fn()
     times = []
-    for _ in range(reps):
+    while len(times) < reps or (sum(times) < min_total_ms and len(times) < 25):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -153,7 +165,7 @@ def warm_compile(workers: int) -> list[tuple[str, float]]:
 
 
 # ----------------------------------------------------------------------------- the shape table
-def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool) -> dict:
+def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool, cfg: IndexerConfig) -> dict:
     ks, ke = row_ranges(s, packed)
     pairs = int((ke - ks).clamp_min(0).sum())
     q, k, w = random_row(s, h, seed=s + h + packed)
@@ -162,18 +174,18 @@ def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool) -> dict:
     p = prepare_inputs(q, k, w, ks, ke)
     res: dict = {"S": s, "H": h, "row": "packed x6" if packed else "causal", "pairs": pairs}
 
-    res["e2e_ms"] = wall_ms(lambda: fp8_indexer_topk(q, k, w, ks, ke, TOPK), reps)
+    res["e2e_ms"] = wall_ms(lambda: fp8_indexer_topk(q, k, w, ks, ke, TOPK, config=cfg), reps)
     stage = []
     for _ in range(reps):
         st = {"timing": True}
-        indexer_topk_prepared(p, TOPK, stats=st)
+        indexer_topk_prepared(p, TOPK, cfg, stats=st)
         stage.append(st)
-    res["logits_ms"] = statistics.median(x["logits_ms"] for x in stage)
-    res["topk_ms"] = statistics.median(x["topk_ms"] for x in stage)
+    for key in ("logits_ms", "select_ms", "order_ms", "topk_ms"):
+        res[key] = statistics.median(x[key] for x in stage)
     res["fallback_rows"] = stage[-1]["fallback_rows"]
     res["chunks"] = stage[-1]["chunks"]
     res["prepare_ms"] = wall_ms(lambda: prepare_inputs(q, k, w, ks, ke), reps)
-    fixed = FIXED_CONFIG.logits
+    fixed = cfg.logits
     res["fixed_logits_ms"] = event_ms(logits_runner(p, fixed), reps)
     res["tflops"] = flops / (res["fixed_logits_ms"] * 1e9)
     if sweep:
@@ -189,27 +201,38 @@ def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool) -> dict:
     return res
 
 
-def bench_topk_sweep(s: int, reps: int) -> list[list]:
-    """Top-k configs at one shape (H=64 causal): select + order ms for each."""
+def bench_topk_sweep(s: int, reps: int) -> tuple[list[list], TopkConfig]:
+    """Top-k configs at one shape (H=64 causal): select and order ms for each; and the fastest."""
     ks, ke = row_ranges(s, packed=False)
     q, k, w = random_row(s, 64, seed=7)
     p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
     rows = []
+    first = None
     for cfg in TOPK_SWEEP:
         icfg = dataclasses.replace(FIXED_CONFIG, topk=cfg)
-        ms = []
+        runs = []
         for _ in range(reps + 1):
             st = {"timing": True}
-            indexer_topk_prepared(p, TOPK, icfg, stats=st)
-            ms.append(st["topk_ms"])
+            idx = indexer_topk_prepared(p, TOPK, icfg, stats=st)
+            runs.append(st)
+        first = idx if first is None else first
+        med = {
+            k: statistics.median(x[k] for x in runs[1:])
+            for k in ("select_ms", "order_ms", "topk_ms")
+        }
         rows.append(
             [
-                f"block={cfg.block} warps={cfg.num_warps}",
-                f"{statistics.median(ms[1:]):.2f}",
+                topk_label(cfg),
+                f"{med['select_ms']:.2f}",
+                f"{med['order_ms']:.2f}",
+                f"{med['topk_ms']:.2f}",
                 st["fallback_rows"],
+                bool(torch.equal(idx, first)),
+                cfg,
             ]
         )
-    return rows
+    best = min(rows, key=lambda r: float(r[3]))[-1]
+    return [r[:-1] for r in rows], best
 
 
 def torch_topk_reference(s: int, reps: int) -> float:
@@ -221,7 +244,7 @@ def torch_topk_reference(s: int, reps: int) -> float:
 
 
 # ----------------------------------------------------------------------------- varied rows
-def bench_varied_rows(h: int = 64) -> dict:
+def bench_varied_rows(cfg: IndexerConfig, h: int = 64) -> dict:
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in rng.integers(16384 // 8, 32768 // 8 + 1, size=10) * 8]
     rows = []
@@ -240,12 +263,15 @@ def bench_varied_rows(h: int = 64) -> dict:
             out.append(time.perf_counter() - t0)
         return out
 
-    fixed = run_all(fp8_indexer_topk)
+    fixed = run_all(lambda *a: fp8_indexer_topk(*a, config=cfg))
     launcher = fresh_autotuned_launcher()
-    peer_cold = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher))
-    peer_warm = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher))
+    peer_cold = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher, config=cfg))
+    peer_warm = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher, config=cfg))
     same = all(
-        torch.equal(fp8_indexer_topk(*r, TOPK), autotuned_indexer_topk(*r, TOPK, launcher=launcher))
+        torch.equal(
+            fp8_indexer_topk(*r, TOPK, config=cfg),
+            autotuned_indexer_topk(*r, TOPK, launcher=launcher, config=cfg),
+        )
         for r in rows[:2]
     )
     return {
@@ -256,13 +282,17 @@ def bench_varied_rows(h: int = 64) -> dict:
         "fixed_rows_s": fixed,
         "peer_cold_rows_s": peer_cold,
         "same_indices": same,
-        "peer_configs": launcher.best_configs(),
+        "peer_configs": {str(k): v for k, v in launcher.best_configs().items()},
     }
 
 
 # ----------------------------------------------------------------------------- report
 def label(c: LogitsConfig) -> str:
     return f"n{c.block_n}/k{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+
+
+def topk_label(c: TopkConfig) -> str:
+    return f"{c.select} rows={c.rows_per_program} warps={c.num_warps} block={c.block} sample={c.sample}"
 
 
 def guarded(name: str, fn):
@@ -277,8 +307,8 @@ def guarded(name: str, fn):
 
 
 def shape_table(results: list[dict]) -> str:
-    headers = ["H", "row", "S", "valid pairs", "logits ms", "TFLOP/s", "top-k ms", "total ms",
-               "fixed/best", "best of sweep", "fallback rows"]  # fmt: skip
+    headers = ["H", "row", "S", "valid pairs", "logits ms", "TFLOP/s", "top-k ms (select + order)",
+               "total ms", "fixed/best", "best of sweep", "fallback rows"]  # fmt: skip
     rows = [
         [
             r["H"],
@@ -287,7 +317,7 @@ def shape_table(results: list[dict]) -> str:
             f"{r['pairs']:.3e}",
             f"{r['fixed_logits_ms']:.2f}",
             f"{r['tflops']:.0f}",
-            f"{r['topk_ms']:.2f}",
+            f"{r['topk_ms']:.2f} ({r['select_ms']:.2f} + {r['order_ms']:.2f})",
             f"{r['e2e_ms']:.2f}",
             f"{r.get('fixed_over_best', float('nan')):.3f}",
             r.get("best_config", "-"),
@@ -321,6 +351,22 @@ def main() -> None:
         flush=True,
     )
 
+    cfg = FIXED_CONFIG
+    body = ""
+    if not args.quick:
+        swept = guarded("top-k sweep", lambda: bench_topk_sweep(65536, args.reps))
+        if swept:
+            tk, best_topk = swept
+            cfg = dataclasses.replace(FIXED_CONFIG, topk=best_topk)
+            body += (
+                "### Top-k configs at S=64K, H=64, causal (select kernel; stable sort + gather)\n\n"
+            )
+            body += markdown_table(
+                ["config", "select ms", "order ms", "top-k ms", "fallback rows", "same indices"], tk
+            )
+            body += f"\n\nfastest, used below: {topk_label(best_topk)}"
+            body += f" (committed default: {topk_label(FIXED_CONFIG.topk)})\n\n"
+    print(body, flush=True)
     results = []
     for h in HEADS:
         for s in sizes:
@@ -328,7 +374,7 @@ def main() -> None:
                 r = guarded(
                     f"shape S={s} H={h} packed={packed}",
                     lambda s=s, h=h, packed=packed: bench_shape(
-                        s, h, packed, args.reps, not args.quick
+                        s, h, packed, args.reps, not args.quick, cfg
                     ),
                 )
                 if r is None:
@@ -337,20 +383,16 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in r.items() if k != "sweep_ms"}), flush=True)
                 if out:
                     (out / "indexer_shapes.json").write_text(json.dumps(results, indent=1))
-    body = f"### Fixed config {label(FIXED_CONFIG.logits)}, topk {TOPK}, D 128\n\n"
+    body += f"### Fixed config {label(cfg.logits)}, topk {TOPK}, D 128\n\n"
     body += shape_table(results) + "\n"
-    extra = {}
+    extra: dict = {"topk_config": topk_label(cfg.topk)}
     if not args.quick:
-        tk = guarded("top-k sweep", lambda: bench_topk_sweep(65536, args.reps))
-        if tk:
-            body += "\n### Top-k configs at S=64K, H=64, causal (select + stable sort)\n\n"
-            body += markdown_table(["config", "top-k ms", "fallback rows"], tk) + "\n"
         ref = guarded("torch.topk", lambda: torch_topk_reference(32768, args.reps))
         if ref is not None:
             extra["torch_topk_32k_ms"] = ref
             body += f"\ntorch.topk(sorted) over the full 32K x 32K logits: {ref:.2f} ms\n"
     if not args.quick and not args.skip_varied:
-        v = guarded("varied rows", bench_varied_rows)
+        v = guarded("varied rows", lambda: bench_varied_rows(cfg))
     else:
         v = None
     if v:

@@ -28,18 +28,20 @@ from kernels.fp8_indexer import FIXED_CONFIG, IndexerConfig, indexer_topk_prepar
 from kernels.logits import LogitsConfig, _indexer_logits_kernel
 
 # The config space: block_n (queries x heads per program), block_k, warps, stages. Every entry
-# compiles without spills for H = 32 and 64, D = 128 on sm_90 (ptxas resource report).
+# compiles without spills for H = 32 and 64, D = 128 on sm_90 (ptxas resource report). The
+# first H200 run's three slowest (block_k 128 with 8 warps or 2 stages) made way for block_n 64
+# and 2-stage variants of the winner.
 SWEEP_CONFIGS: tuple[LogitsConfig, ...] = (
-    LogitsConfig(256, 64, 4, 2),
+    LogitsConfig(128, 64, 4, 3),  # the fixed config (kernels.logits.FIXED_LOGITS_CONFIG)
+    LogitsConfig(128, 64, 4, 2),
+    LogitsConfig(128, 64, 4, 4),
+    LogitsConfig(64, 64, 4, 3),
+    LogitsConfig(64, 64, 4, 4),
     LogitsConfig(256, 64, 4, 3),
     LogitsConfig(256, 64, 4, 4),
     LogitsConfig(256, 64, 8, 3),
-    LogitsConfig(256, 128, 8, 2),
     LogitsConfig(256, 128, 8, 3),
-    LogitsConfig(128, 64, 4, 3),
-    LogitsConfig(128, 64, 4, 4),
     LogitsConfig(128, 128, 4, 3),
-    LogitsConfig(128, 128, 8, 3),
     LogitsConfig(512, 64, 8, 3),
     LogitsConfig(64, 128, 4, 3),
 )

@@ -209,7 +209,8 @@ def indexer_topk_prepared(
     """Top-k on prepared inputs.
 
     `stats`, if given, accumulates `fallback_rows` and `chunks`, and with `stats["timing"] = True`
-    also `logits_ms` and `topk_ms` (CUDA events around each stage; adds one sync at the end).
+    also `logits_ms`, `select_ms` (the select kernel), `order_ms` (stable sort, gather and any
+    fallback rows) and `topk_ms` = select + order, from CUDA events (one sync at the end).
     `launch` replaces the logits launcher (benchmarks/indexer_peers.py passes its autotuned one).
     """
     if topk < 1:
@@ -224,30 +225,31 @@ def indexer_topk_prepared(
     ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
     fallback = 0
     timing = bool(stats and stats.get("timing")) and dev.type == "cuda"
-    marks = []
+    marks: list[list[torch.cuda.Event]] = []
+
+    def mark() -> None:
+        if timing:
+            marks[-1].append(torch.cuda.Event(enable_timing=True))
+            marks[-1][-1].record()
+
     for r0, r1, col0, width in chunks:
         n = r1 - r0
         logits = buf[: n * width].view(n, width)
-        if timing:
-            marks.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
-            marks[-1][0].record()
+        marks.append([])
+        mark()
         launch(
             p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
             heads=p.heads, row0=r0, n_rows=n, col0=col0, config=config.logits,
         )  # fmt: skip
-        if timing:
-            marks[-1][1].record()
+        mark()
         fallback += _select_and_order(
-            logits, col0, p.ks, p.ke, ws, out, r0, topk, p.s_k, config.topk
+            logits, col0, p.ks, p.ke, ws, out, r0, topk, p.s_k, config.topk, mark
         )
-        if timing:
-            marks[-1][2].record()
     if timing:
         torch.cuda.synchronize()
-        stats["logits_ms"] = stats.get("logits_ms", 0.0) + sum(
-            a.elapsed_time(b) for a, b, _ in marks
-        )
-        stats["topk_ms"] = stats.get("topk_ms", 0.0) + sum(b.elapsed_time(c) for _, b, c in marks)
+        for name, i in (("logits_ms", 0), ("select_ms", 1), ("order_ms", 2)):
+            stats[name] = stats.get(name, 0.0) + sum(m[i].elapsed_time(m[i + 1]) for m in marks)
+        stats["topk_ms"] = stats.get("topk_ms", 0.0) + sum(m[1].elapsed_time(m[3]) for m in marks)
     if stats is not None:
         stats["fallback_rows"] = stats.get("fallback_rows", 0) + fallback
         stats["chunks"] = stats.get("chunks", 0) + len(chunks)
@@ -265,17 +267,23 @@ def _select_and_order(
     topk: int,
     sentinel: int,
     config: TopkConfig,
+    mark: Callable[[], None] = lambda: None,
 ) -> int:
-    """Top-k of the chunk's rows into out[r0 : r0 + rows]; returns how many rows took the torch path."""
+    """Top-k of the chunk's rows into out[r0 : r0 + rows]; returns how many rows took the torch path.
+
+    `mark()` is called after the select kernel and at the end (the timing hook).
+    """
     n = logits.shape[0]
     launch_select(
         logits, col0, ks, ke, ws, topk=topk, row0=r0, n_rows=n, sentinel=sentinel, config=config
     )
+    mark()
     out[r0 : r0 + n] = finish_topk(ws, n, topk)
     bad = torch.nonzero(ws.status[:n]).flatten()
     if bad.numel():
         rows = bad + r0
         out[rows] = topk_rows_torch(logits[bad], col0, ks[rows], ke[rows], topk, sentinel)
+    mark()
     return int(bad.numel())
 
 

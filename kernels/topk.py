@@ -9,15 +9,16 @@ Scores are compared as `u = key32 ^ 0x80000000` read as uint32, where
 u is monotone in the score, so "k-th largest" is an integer question with an exact answer.
 
 Per row (`_select_kernel`, ROWS rows per program; 1 on the GPU):
-1. Threshold: SAMPLE scores at evenly spaced positions; T = the sample's r-th largest (a 32-step
-   bitwise search: no sort), r chosen so that about `ratio * topk` of the row's n scores are >= T.
+1. Threshold: SAMPLE scores in evenly spaced runs of 16; T = the sample's r-th largest (radix
+   select: eight 16-bin histograms, no sort), r chosen so that about `ratio * topk` of the
+   row's n scores are >= T.
    Rows with n <= CAP take T = 0 (everything).
 2. One pass over the row writes every (u, index) with u >= T, in index order, to the row's
    candidate buffer and counts them. A count outside [min(topk, n), CAP] re-ranks r from the
    count inside a bracket of ranks already tried and passes again (at most MAX_PASSES); a row
    that still misses is flagged.
-3. Exact select among the <= CAP candidates: T* = the min(topk, count)-th largest u (bitwise
-   search again); keep all u > T* and the lowest-index u == T* until min(topk, count) are kept;
+3. Exact select among the <= CAP candidates: T* = the min(topk, count)-th largest u (radix
+   select again); keep all u > T* and the lowest-index u == T* until min(topk, count) are kept;
    write them, still in index order, to a [rows, K2] staging pair (key32, index), padded with
    (INT32_MIN, sentinel).
 Then `finish_topk` sorts each staging row by key32 descending with a *stable* sort
@@ -27,12 +28,13 @@ Flagged rows are finished by `topk_rows_torch` (exact and deterministic, slower)
 No atomics and no data-dependent reduction order anywhere, so the output is a pure function of
 the scores. Why not a bitonic sort inside Triton: a 4096-wide int64 bitonic top-k compiled to
 ~23K SASS lines per row (about 5.8M thread-instructions: ~12 ms per 64K rows) and 50-110 s of
-compile time; the bitwise selects cost ~32 x CAP compares and compile in seconds.
+compile time; the radix selects cost eight histograms of CAP values and compile in seconds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -42,22 +44,26 @@ IDX_MAX = 2**31 - 1
 I32_MIN = -(2**31)
 
 
+_SELECTS = {"radix": 1, "bitwise": 0}  # constexpr RADIX of the kernel
+
+
 @dataclass(frozen=True)
 class TopkConfig:
     """Launch parameters of the selection kernel."""
 
-    sample: int = 1024  # threshold sample size (power of two)
+    sample: int = 2048  # threshold sample size (power of two, >= 16): runs of 16 scores
     block: int = 2048  # scores per step of the compaction pass (power of two)
     cap_factor: int = 2  # candidate buffer = cap_factor * next_pow2(topk)
     min_cap: int = 16  # smallest candidate buffer
     ratio: float = 1.5  # aim: count(score >= T) ~= ratio * topk
     max_passes: int = 3
-    rows_per_program: int = 1  # > 1 only to vectorise the interpreter on CPU
+    rows_per_program: int = 1  # rows sharing one program (> 1 also vectorises the interpreter)
     num_warps: int = 8
+    select: Literal["radix", "bitwise"] = "radix"  # k-th largest: 8 histograms or 32 counts
 
     def __post_init__(self) -> None:
         for name, least in (
-            ("sample", 2),
+            ("sample", 16),
             ("block", 16),
             ("cap_factor", 2),
             ("min_cap", 2),
@@ -69,6 +75,10 @@ class TopkConfig:
         if not 1.0 < self.ratio < self.cap_factor:
             raise ValueError(
                 f"TopkConfig.ratio={self.ratio}: must lie in (1, cap_factor={self.cap_factor})"
+            )
+        if self.select not in _SELECTS:
+            raise ValueError(
+                f"TopkConfig.select={self.select!r}: must be one of {sorted(_SELECTS)}"
             )
         if self.max_passes < 1:
             raise ValueError(f"TopkConfig.max_passes={self.max_passes}: must be >= 1")
@@ -91,16 +101,56 @@ def _ukey(x):
 
 
 @triton.jit
-def _kth_largest(u, k):
-    """Per row, the k-th largest (k >= 1) of uint32 u [R, M]: the largest v with #(u >= v) >= k.
+def _kth_largest_bitwise(u, valid, k):
+    """Per row, the k-th largest valid uint32 of u [ROWS, M]: the largest v with #(u >= v) >= k.
 
-    Padding must be 0 (never counted: every trial is > 0). k larger than the count gives 0.
+    32 dependent rounds, one CTA-wide count each (every trial is > 0, so invalid entries set to
+    0 never count). k = 0 gives 0xffffffff.
     """
+    u = tl.where(valid, u, 0)
     ans = (k * 0).to(tl.uint32)
     for b in range(32):
         trial = ans | (tl.full(ans.shape, 2147483648, tl.uint32) >> b)
         cnt = tl.sum((u >= trial[:, None]).to(tl.int32), axis=1)
         ans = tl.where(cnt >= k, trial, ans)
+    return ans
+
+
+@triton.jit
+def _kth_largest(u, valid, k, ROWS: tl.constexpr, M: tl.constexpr, RADIX: tl.constexpr):
+    """Per row, the k-th largest valid uint32 of u [ROWS, M] (RADIX: 1 radix, 0 bitwise)."""
+    if RADIX:
+        ans = _kth_largest_radix(u, valid, k, ROWS, M)
+    else:
+        ans = _kth_largest_bitwise(u, valid, k)
+    return ans
+
+
+@triton.jit
+def _kth_largest_radix(u, valid, k, ROWS: tl.constexpr, M: tl.constexpr):
+    """Per row, the k-th largest (k >= 1) valid uint32 of u [ROWS, M]: MSD radix select.
+
+    Eight rounds of 4 bits: a 16-bin histogram of the next digit among the values that still
+    match the prefix chosen so far (one `tl.histogram` per round, rows kept apart by offsetting
+    their bins), then the digit whose suffix count reaches k. Eight dependent steps instead of
+    the 32 CTA-wide reductions of a bitwise search. k = 0 gives 0xffffffff (nothing selected);
+    callers never ask for more than the valid count.
+    """
+    ans = (k * 0).to(tl.uint32)
+    rem = k
+    live = valid
+    rowbin = tl.arange(0, ROWS)[:, None] * 32
+    d = tl.arange(0, 32)[None, :]
+    for rd in tl.static_range(8):
+        digit = ((u >> (28 - 4 * rd)) & 15).to(tl.int32)
+        bins = tl.where(live, rowbin + digit, rowbin + 16)  # bin 16: no longer in the race
+        hist = tl.reshape(tl.histogram(tl.reshape(bins, [ROWS * M]), ROWS * 32), [ROWS, 32])
+        hist = tl.where(d < 16, hist, 0)
+        ge = tl.sum(hist, axis=1)[:, None] - (tl.cumsum(hist, axis=1) - hist)  # count(digit >= d)
+        dig = tl.max(tl.where((ge >= rem[:, None]) & (d < 16), d, 0), axis=1)
+        rem -= tl.sum(tl.where(d > dig[:, None], hist, 0), axis=1)
+        ans = ans | (dig.to(tl.uint32) << (28 - 4 * rd))
+        live = live & (digit == dig[:, None])
     return ans
 
 
@@ -144,6 +194,7 @@ def _select_kernel(
     SAMPLE: tl.constexpr,
     BLOCK: tl.constexpr,
     MAX_PASSES: tl.constexpr,
+    RADIX: tl.constexpr,
 ):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # chunk-local rows
     live = r < n_rows
@@ -153,11 +204,16 @@ def _select_kernel(
     row_base = logits_ptr + r.to(tl.int64) * stride_l - col0
     cand = cand_ptr + r.to(tl.int64) * CAP
 
-    # 1. threshold candidates: an evenly spaced sample of each long row
+    # 1. threshold candidates: SAMPLE // 16 evenly spaced runs of 16 scores of each long row
+    #    (runs, not single scores: 64-byte reads instead of a 32-byte sector per 4-byte score)
     si = tl.arange(0, SAMPLE)[None, :]
-    spos = ks[:, None] + ((si.to(tl.int64) * n[:, None]) // SAMPLE).to(tl.int32)
+    spos = (
+        ks[:, None]
+        + ((si // 16).to(tl.int64) * n[:, None] // (SAMPLE // 16)).to(tl.int32)
+        + si % 16
+    )
     sok = (si >= 0) & (n[:, None] > CAP)
-    samp = tl.where(sok, _ukey(tl.load(row_base[:, None] + spos, mask=sok, other=0.0)), 0)
+    samp = _ukey(tl.load(row_base[:, None] + spos, mask=sok, other=0.0))
     rank = tl.minimum(tl.maximum(tl.cdiv(target * SAMPLE, tl.maximum(n, 1)) - 1, 0), SAMPLE - 1)
 
     # 2. compaction passes (rows with n <= CAP take everything); re-rank the rows that miss
@@ -169,7 +225,7 @@ def _select_kernel(
     ok = live & (n <= 0)
     for _ in range(MAX_PASSES):
         if tl.max(todo.to(tl.int32), axis=0) > 0:
-            thr = tl.where(n <= CAP, 0, _kth_largest(samp, rank + 1))
+            thr = tl.where(n <= CAP, 0, _kth_largest(samp, sok, rank + 1, ROWS, SAMPLE, RADIX))
             got = _compact_pass(row_base, cand, ks, ke, thr, todo, CAP, BLOCK)
             count = tl.where(todo, got, count)
             hit = todo & (got >= need) & (got <= CAP)
@@ -191,7 +247,7 @@ def _select_kernel(
     cu = (c64 >> 32).to(tl.uint32)
     cidx = (c64 & 0xFFFFFFFF).to(tl.int32)
     take = tl.where(ok, tl.minimum(count, topk), 0)
-    tstar = _kth_largest(cu, take)
+    tstar = _kth_largest(cu, valid, take, ROWS, CAP, RADIX)
     gt = valid & (cu > tstar[:, None])
     eq = valid & (cu == tstar[:, None])
     room = take - tl.sum(gt.to(tl.int32), axis=1)
@@ -257,7 +313,7 @@ def launch_select(
         logits, logits.stride(0), col0, ks, ke, row0, n_rows,
         ws.cand, ws.skey, ws.sidx, ws.status, sentinel, topk, round(config.ratio * topk),
         ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
-        MAX_PASSES=config.max_passes, num_warps=config.num_warps,
+        MAX_PASSES=config.max_passes, RADIX=_SELECTS[config.select], num_warps=config.num_warps,
     )  # fmt: skip
 
 

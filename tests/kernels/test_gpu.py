@@ -66,7 +66,10 @@ def test_logits_4k_packed_row_match_reference() -> None:
     assert torch.equal(fin, torch.isfinite(got))
     rel = ((got[fin] - ref[fin]).norm() / ref[fin].norm()).item()
     print(f"H200 logits relative error vs fp32 reference: {rel:.3e}")
-    assert rel <= 1e-5
+    # Hopper's fp8 tensor cores accumulate with ~14 mantissa bits (DeepSeek-V3 report, 3.3.2), not
+    # fp32: 1.2e-4 measured here (H200, D=128). The CPU tests hold the kernel to 1e-5, where the
+    # interpreter's fp8 dot is exact; the exact-input test below pins the GPU bitwise.
+    assert rel <= 5e-4
 
 
 def test_exact_inputs_bitwise_and_topk_2048() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,14 +21,15 @@ from kernels import (
 from tests.kernels._cases import SMALL, SMALL_TOPK, exact_inputs, packed_ranges, random_inputs
 
 
-@pytest.mark.parametrize("topk", [8, 13])
-def test_topk_matches_reference_on_kernel_logits(topk: int, device: str) -> None:
+@pytest.mark.parametrize(("topk", "select"), [(8, "radix"), (13, "radix"), (8, "bitwise")])
+def test_topk_matches_reference_on_kernel_logits(topk: int, select: str, device: str) -> None:
     ks, ke = packed_ranges([120, 5, 90, 24], pad=3)
     s = ks.numel()
     q, k, w = random_inputs(s, 8, 64, seed=topk, device=device)
     ks, ke = ks.to(device), ke.to(device)
     stats: dict = {}
-    got = indexer_topk_prepared(prepare_inputs(q, k, w, ks, ke), topk, SMALL, stats=stats)
+    cfg = IndexerConfig(topk=dataclasses.replace(SMALL_TOPK, select=select))
+    got = indexer_topk_prepared(prepare_inputs(q, k, w, ks, ke), topk, cfg, stats=stats)
     logits = fp8_indexer_logits(q, k, w, ks, ke).cpu()
     assert torch.equal(got.cpu(), reference_topk(logits, ks.cpu(), ke.cpu(), topk))
     assert stats["fallback_rows"] == 0  # random scores: the sampled threshold always lands
@@ -98,14 +101,14 @@ def test_padded_keys_are_never_selected(device: str) -> None:
 
 
 def test_rerank_and_fallback_paths_agree(device: str) -> None:
-    # A one-pass budget and a 4-wide sample force misses (flagged rows -> torch path); a wide
+    # A one-pass budget and a single 16-score sample run force misses (flagged rows -> torch path); a wide
     # sample with three passes must give the same answer.
     ks, ke = packed_ranges([200])
     q, k, w = random_inputs(200, 4, 32, seed=11, device=device)
     ks, ke = ks.to(device), ke.to(device)
     p = prepare_inputs(q, k, w, ks, ke)
     rough = IndexerConfig(
-        topk=TopkConfig(sample=4, block=32, min_cap=16, max_passes=1, rows_per_program=256)
+        topk=TopkConfig(sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256)
     )
     stats: dict = {}
     a = indexer_topk_prepared(p, 8, rough, stats=stats)
