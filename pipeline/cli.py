@@ -18,13 +18,15 @@ from typing import Any
 from packers import FormatError, ShardDataset
 
 
-def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """['key=value', ...] -> {key: json-or-string value}."""
+def parse_storage_options(
+    pairs: Sequence[str] | None, flag: str = "--storage-option"
+) -> dict[str, Any]:
+    """['key=value', ...] -> {key: json-or-string value} (`flag` names the option in errors)."""
     options: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--storage-option expects KEY=VALUE, got {pair!r}")
+            raise SystemExit(f"{flag} expects KEY=VALUE, got {pair!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -1,0 +1,355 @@
+"""The pack job: raw samples -> a committed packshard dataset, on Ray.
+
+    python pipeline/pack.py --input 'data/*.jsonl' --output s3://bucket/run/ \\
+        --tokenizer Qwen/Qwen3-8B --seq-len 131072 --cp 8
+    ray job submit --working-dir . -- python pipeline/pack.py ...     # on a cluster
+    packshard pack ...                                                  # the console script
+    packshard pack --demo --output demo_out                             # built-in data, no files
+
+Under `ray job submit` (``RAY_ADDRESS`` set) it connects to that cluster; otherwise it starts a
+local Ray of ``--num-cpus`` CPUs (never joining another local cluster by accident).
+
+Steps: check the output is writable and what it holds (`jobstate`: fresh, resume, or already
+complete; a different config is refused unless ``--overwrite``); load the tokenizer once on the
+driver (its fingerprint goes into the manifest, and every worker must match it); list and count
+the inputs; write the plan; tokenize and pack on Ray (`scheduler`); commit with
+`packers.finalize_dataset` (index.arrow, then manifest.json last); print the summary and the
+dataset's stats. ``--demo`` packs `pipeline.demo`'s generated mix through the ``demo://`` input
+(generated inside the tasks that read it, so it works on any cluster) with the built-in
+tokenizer, at seq_len 32768 and cp 8 unless given.
+
+Exit status: 0 done (or nothing to do), 1 the job failed (message names the record, file or
+shard), 2 bad flags, 130/143 stopped by SIGINT/SIGTERM (rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (
+    None,
+    "",
+):  # `python pipeline/pack.py`: import the checkout, not pipeline/ itself
+    _ROOT = str(Path(__file__).resolve().parents[1])
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path[0] = _ROOT
+    elif _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from packers import FormatError, ShardDataset, finalize_dataset, rows_per_batch_for, url_to_fs
+from pipeline.config import PackConfig, config_from_args
+from pipeline.jobstate import (
+    OutputError,
+    check_writable,
+    inspect_output,
+    remove_job_state,
+    write_plan,
+)
+from pipeline.planning import block_records, sample_order
+from pipeline.progress import JobProgress, format_summary
+from pipeline.readers import InputError, InputFile, resolve_inputs
+from pipeline.stats import dataset_stats, format_stats
+from pipeline.tokenization import (
+    SampleEncoder,
+    TokenizerError,
+    load_tokenizer,
+    pad_token_id_of,
+    tokenizer_fingerprint,
+)
+
+log = logging.getLogger("pipeline.pack")
+
+USER_ERRORS = (InputError, OutputError, TokenizerError, FormatError)
+RAY_START_ATTEMPTS = 3
+
+
+def _stats_text(url: str, storage_options: Any) -> str:
+    with ShardDataset.open(url, storage_options=storage_options) as ds:
+        return format_stats(dataset_stats(ds))
+
+
+def start_ray(cfg: PackConfig) -> bool:
+    """Connect to the job's cluster (RAY_ADDRESS) or start a local Ray; True if started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level=logging.WARNING)
+        return True
+    root = str(Path(__file__).resolve().parents[1])  # workers import `pipeline` from a checkout too
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=cfg.num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+            )
+            return True
+        except Exception as e:  # Ray raises a bare Exception when its node does not come up
+            # The raylet gives its Python agents a fixed 15 s to start; on a loaded machine they
+            # can take longer. That is worth another try; anything else is not.
+            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+                raise
+            log.warning(
+                "local Ray did not start in time (attempt %d of %d); retrying",
+                attempt,
+                RAY_START_ATTEMPTS,
+            )
+            ray.shutdown()
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Any) -> Iterator[None]:
+    """SIGTERM (`ray job stop`) and SIGINT set the stop flag; the loops then cancel and exit."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+        signal.signal(s, lambda signum, _frame: stop.set(signal.Signals(signum).name))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _digest(obj: Any) -> str:
+    return (
+        "sha256:"
+        + hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    )
+
+
+def run(cfg: PackConfig) -> int:
+    """Run the job for a validated config (raises the errors `main` reports)."""
+    import ray
+
+    from pipeline.scheduler import (
+        Scheduler,
+        StopFlag,
+        check_kept,
+        count_inputs,
+        merge_counters,
+        plan_blocks,
+    )
+    from pipeline.tasks import WorkSpec
+
+    t0 = time.perf_counter()
+    try:
+        fs, root = url_to_fs(cfg.output, cfg.storage_options)
+    except (ValueError, ImportError) as e:
+        raise OutputError(f"output {cfg.output!r}: {e}") from None
+    check_writable(fs, root, cfg.output)
+    phase = _Phases()
+    tokenizer_info, pad_id = None, cfg.pad_token_id
+    if cfg.tokenizer is not None:
+        tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code, cfg.tokenizer_revision)
+        tokenizer_info = {"name": cfg.tokenizer, "fingerprint": tokenizer_fingerprint(tok)}
+        pad_id = pad_id if pad_id is not None else pad_token_id_of(tok)
+        encoder = SampleEncoder(tok, loss_roles=cfg.loss_roles, template_kwargs=cfg.template_kwargs)
+        if encoder.profile is not None and not set(cfg.loss_roles) & encoder.profile.roles:
+            raise TokenizerError(
+                f"--loss-roles {','.join(cfg.loss_roles)}: the chat template renders none of them"
+            )
+    assert pad_id is not None  # PackConfig requires --pad-token-id without a tokenizer
+    phase("loaded the tokenizer")
+    files = resolve_inputs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
+    identity = [{"url": f.url, "bytes": f.size, "version": f.version} for f in files]
+    config = cfg.dataset_config(tokenizer=tokenizer_info, pad_token_id=pad_id, inputs=identity)
+    state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
+    if state.status == "complete":
+        print(
+            f"packshard pack: {cfg.output} already holds this dataset (same inputs and config); nothing to do"
+        )
+        print(_stats_text(cfg.output, cfg.storage_options))
+        return 0
+
+    started = start_ray(cfg)
+    phase("started / connected to Ray")
+    stop = StopFlag()
+    try:
+        with stop_on_signals(stop):
+            workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+            spec = WorkSpec(
+                output=cfg.output,
+                storage_options=dict(cfg.storage_options),
+                tokenizer=cfg.tokenizer,
+                tokenizer_fingerprint=tokenizer_info["fingerprint"] if tokenizer_info else None,
+                trust_remote_code=cfg.trust_remote_code,
+                tokenizer_revision=cfg.tokenizer_revision,
+                kind=cfg.kind,
+                columns=dict(cfg.columns),
+                loss_roles=cfg.loss_roles,
+                template_kwargs=dict(cfg.template_kwargs),
+                skip_bad_records=cfg.skip_bad_records,
+                seq_len=cfg.seq_len,
+                pad_multiple=cfg.pad_multiple,
+                pad_token_id=pad_id,
+                algorithm=cfg.algorithm,
+                overlong=cfg.overlong,
+                carry_rows=cfg.carry_rows,
+                rows_per_batch=rows_per_batch_for(cfg.seq_len),
+                config_digest="",
+            )
+            if state.status == "resume":
+                assert state.plan is not None
+                files = [InputFile.from_json(d) for d in state.plan["inputs"]]
+                log.info(
+                    "resuming the unfinished job in %s (%d shard markers)",
+                    cfg.output,
+                    len(state.markers),
+                )
+            else:
+                files = count_inputs(
+                    files,
+                    spec,
+                    workers,
+                    stop,
+                    lambda f: log.debug("counted %s: %d", f.url, f.records),
+                )
+            num_samples = sum(f.records for f in files)
+            phase(f"counted {len(files)} input files: {num_samples:,} records")
+            if num_samples == 0:
+                raise InputError(f"the inputs hold no records: {', '.join(cfg.inputs)}")
+            config["inputs"] = [
+                {**i, "records": f.records} for i, f in zip(identity, files, strict=True)
+            ]
+            spec = WorkSpec(**{**spec.__dict__, "config_digest": _digest(config)})
+            if state.status == "fresh":
+                write_plan(
+                    fs,
+                    root,
+                    {
+                        "config": config,
+                        "inputs": [f.to_json() for f in files],
+                        "num_samples": num_samples,
+                    },
+                )
+            kept = check_kept(state.markers, spec, stop) if state.markers else {}
+            blocks = plan_blocks(
+                files, block_records(num_samples, sum(f.size for f in files), workers)
+            )
+            progress = JobProgress(0, enabled=cfg.progress, kept_shards=len(kept))
+            scheduler = Scheduler(
+                spec=spec,
+                files=files,
+                blocks=blocks,
+                order=sample_order(num_samples, shuffle=cfg.shuffle, seed=cfg.seed),
+                kept=kept,
+                window_tokens=cfg.window_tokens,
+                shard_tokens=cfg.shard_tokens,
+                workers=workers,
+                stop=stop,
+                progress=progress,
+            )
+            progress.total = scheduler.samples_to_tokenize
+            try:
+                results = scheduler.run()
+            finally:
+                progress.close()
+            phase(
+                f"tokenized {progress.samples:,} samples and wrote {len(results) - len(kept)} shards"
+            )
+            ordered = [results[n] for n in sorted(results)]
+            if [r.plan.number for r in ordered] != list(range(len(ordered))):
+                raise AssertionError(f"shard numbers are not contiguous: {sorted(results)}")
+            merged = merge_counters(ordered)
+            totals = merged["totals"]
+            if totals["samples_in"] != num_samples:
+                raise AssertionError(
+                    f"shards account for {totals['samples_in']} samples of {num_samples}"
+                )
+            manifest = finalize_dataset(
+                fs,
+                root,
+                config,
+                [r.record for r in ordered],
+                totals,
+                extra={
+                    "skipped_examples": merged["examples"],
+                    "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3)},
+                },
+            )
+            remove_job_state(fs, root)
+            phase("committed index.arrow and manifest.json")
+    finally:
+        if started:
+            ray.shutdown()
+    print(
+        format_summary(
+            manifest,
+            url=cfg.output,
+            seconds=time.perf_counter() - t0,
+            tokenized_tokens=progress.tokens,
+            workers=workers,
+            kept_shards=len(kept),
+        )
+    )
+    print()
+    print(_stats_text(cfg.output, cfg.storage_options))
+    return 0
+
+
+class _Phases:
+    """Logs how long each step of the job took."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        log.info("%s (%.1f s)", what, now - self.last)
+        self.last = now
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python pipeline/pack.py` and `packshard pack`; returns the exit status."""
+    from pipeline.scheduler import Interrupted, JobError
+
+    _setup_logging()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = config_from_args(argv)
+    except ValueError as e:
+        print(f"packshard pack: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run(cfg)
+    except Interrupted as e:
+        name = str(e) or "a signal"
+        print(
+            f"packshard pack: stopped by {name}; the shards written so far are kept. "
+            "Run the same command again to finish the dataset.",
+            file=sys.stderr,
+        )
+        return 130 if name == "SIGINT" else 143
+    except (JobError, *USER_ERRORS) as e:
+        print(f"packshard pack: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""From one raw input record (a dict) to one typed sample, or a `BadRecord` naming the reason.
+
+Sample kinds (`--kind`, detected per record when ``auto``):
+
+- ``messages``: a chat, ``{"messages": [{"role", "content", ...}], "tools": [...]?}``. Roles are
+  ``system``, ``user``, ``assistant`` and ``tool``; other message keys (``tool_calls``,
+  ``tool_call_id``, ``reasoning_content``, ``name``) pass through to the chat template untouched.
+  ``tools`` may be a list of JSON schemas or a JSON string of one.
+- ``prompt_completion``: ``prompt`` + ``completion``, each a string or a list of messages. With a
+  chat template it becomes a chat whose loss covers only the completion's messages; with a
+  tokenizer that has no chat template it is plain text, loss on the completion and EOS.
+- ``text``: a plain document; EOS is appended and every token is a loss token.
+- ``input_ids``: pre-tokenized ids (offline RL data), with an optional ``loss_mask`` of the same
+  length (all tokens are loss tokens without one).
+
+Detection order in ``auto``: messages, then prompt + completion, then input_ids, then text: the
+first kind whose fields the record has wins. `--columns prompt=question,completion=answer` maps
+the canonical field names to a dataset's own (a mapped field is looked up only under its source
+name). A single mapping serves a mix of datasets because a record that lacks a field simply does
+not match that kind.
+
+Every rejection is a `BadRecord` whose `reason` is a short stable key (counted per reason in the
+manifest under ``--skip-bad-records``) and whose `detail` says what was wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["auto", "messages", "prompt_completion", "text", "input_ids"]
+KINDS: tuple[str, ...] = ("auto", "messages", "prompt_completion", "text", "input_ids")
+KNOWN_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+CANONICAL_FIELDS: tuple[str, ...] = (
+    "messages",
+    "tools",
+    "prompt",
+    "completion",
+    "text",
+    "input_ids",
+    "loss_mask",
+)
+# Every reason a record can be rejected for (status code = index + 1 in tokenized blocks).
+REASONS: tuple[str, ...] = (
+    "not_an_object",
+    "missing_fields",
+    "bad_field_type",
+    "empty_conversation",
+    "unknown_role",
+    "empty_text",
+    "empty_input_ids",
+    "loss_mask_length",
+    "invalid_utf8",
+    "malformed_json",
+    "no_tokenizer",
+    "no_chat_template",
+    "template_error",
+    "role_not_in_template",
+    "tools_not_in_template",
+    "special_token_in_content",
+    "template_not_prefix_stable",
+    "no_loss_tokens",
+    "token_out_of_range",
+)
+
+
+class BadRecord(ValueError):
+    """A record that cannot become a training sample; `reason` is a stable counting key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        if reason not in REASONS:
+            raise AssertionError(f"unregistered bad-record reason {reason!r}")
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Chat:
+    """A conversation; messages from index `loss_from` on may carry loss (by role)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+    loss_from: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlainPromptCompletion:
+    """prompt + completion strings for a tokenizer without a chat template."""
+
+    prompt: str
+    completion: str
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    input_ids: list[int]
+    loss_mask: list[bool] | None = None
+
+
+Sample = Chat | PlainPromptCompletion | Text | Tokens
+
+
+def parse_columns(specs: Sequence[str] | None) -> dict[str, str]:
+    """``["prompt=question,completion=answer", ...]`` -> ``{"prompt": "question", ...}``."""
+    mapping: dict[str, str] = {}
+    for spec in specs or ():
+        for pair in spec.split(","):
+            if not pair.strip():
+                continue
+            key, sep, value = pair.partition("=")
+            key, value = key.strip(), value.strip()
+            if not sep or not key or not value:
+                raise ValueError(f"--columns expects CANONICAL=FIELD pairs, got {pair!r}")
+            if key not in CANONICAL_FIELDS:
+                raise ValueError(
+                    f"--columns: {key!r} is not a field packshard reads; "
+                    f"choose from {list(CANONICAL_FIELDS)}"
+                )
+            mapping[key] = value
+    return mapping
+
+
+def source_fields(columns: Mapping[str, str]) -> list[str]:
+    """Every raw field name a record may be read under (for column projection of parquet)."""
+    return sorted({columns.get(f, f) for f in CANONICAL_FIELDS})
+
+
+def to_sample(
+    record: Any,
+    *,
+    kind: Kind = "auto",
+    columns: Mapping[str, str] | None = None,
+    has_chat_template: bool = True,
+) -> Sample:
+    """Turn one decoded record into a sample; raises `BadRecord`."""
+    if not isinstance(record, Mapping):
+        raise BadRecord(
+            "not_an_object", f"a record must be a JSON object, got {type(record).__name__}"
+        )
+    columns = columns or {}
+
+    def get(field: str) -> Any:
+        return record.get(columns.get(field, field))
+
+    def has(field: str) -> bool:
+        return get(field) is not None
+
+    if kind == "auto":
+        if has("messages"):
+            kind = "messages"
+        elif has("prompt") and has("completion"):
+            kind = "prompt_completion"
+        elif has("input_ids"):
+            kind = "input_ids"
+        elif has("text"):
+            kind = "text"
+        else:
+            wanted = ", ".join(
+                columns.get(f, f) for f in ("messages", "prompt", "completion", "input_ids", "text")
+            )
+            raise BadRecord(
+                "missing_fields",
+                f"no sample fields: expected one of [{wanted}], the record has {sorted(record)[:12]}; "
+                "map yours with --columns (e.g. --columns prompt=question,completion=answer)",
+            )
+    if kind == "messages":
+        return Chat(
+            _messages(get("messages"), columns.get("messages", "messages")), _tools(get("tools"))
+        )
+    if kind == "prompt_completion":
+        return _prompt_completion(get("prompt"), get("completion"), columns, has_chat_template)
+    if kind == "input_ids":
+        return _tokens(get("input_ids"), get("loss_mask"), columns)
+    if kind == "text":
+        text = get("text")
+        if text is None:
+            raise BadRecord("missing_fields", f"no {columns.get('text', 'text')!r} field")
+        if not isinstance(text, str):
+            raise BadRecord("bad_field_type", f"text must be a string, got {type(text).__name__}")
+        if not text:
+            raise BadRecord("empty_text", "the text is empty")
+        return Text(text)
+    raise ValueError(f"kind={kind!r} is not known; choose one of {list(KINDS)}")
+
+
+def _messages(value: Any, field: str) -> list[dict[str, Any]]:
+    if value is None:
+        raise BadRecord("missing_fields", f"no {field!r} field")
+    if not isinstance(value, list):
+        raise BadRecord(
+            "bad_field_type", f"{field} must be a list of messages, got {type(value).__name__}"
+        )
+    if not value:
+        raise BadRecord("empty_conversation", f"{field} is an empty list")
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping):
+            raise BadRecord(
+                "bad_field_type", f"{field}[{i}] must be an object, got {type(m).__name__}"
+            )
+        role = m.get("role")
+        if role is None:
+            raise BadRecord("missing_fields", f"{field}[{i}] has no 'role'")
+        if not isinstance(role, str) or role not in KNOWN_ROLES:
+            raise BadRecord(
+                "unknown_role",
+                f"{field}[{i}] has role {role!r}; known roles are {sorted(KNOWN_ROLES)}",
+            )
+        content = m.get("content")
+        if content is None and not (role == "assistant" and m.get("tool_calls")):
+            raise BadRecord("missing_fields", f"{field}[{i}] ({role}) has no 'content'")
+        if content is not None and not isinstance(content, str):
+            raise BadRecord(
+                "bad_field_type",
+                f"{field}[{i}].content must be a string, got {type(content).__name__} "
+                "(flatten multi-part content to text first)",
+            )
+    return [dict(m) for m in value]
+
+
+def _tools(value: Any) -> list[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise BadRecord("bad_field_type", f"tools is a string but not JSON ({e})") from None
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise BadRecord("bad_field_type", "tools must be a list of JSON schemas (objects)")
+    return list(value) or None
+
+
+def _prompt_completion(
+    prompt: Any, completion: Any, columns: Mapping[str, str], has_chat_template: bool
+) -> Sample:
+    pname, cname = columns.get("prompt", "prompt"), columns.get("completion", "completion")
+    if prompt is None or completion is None:
+        raise BadRecord("missing_fields", f"needs both {pname!r} and {cname!r}")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not has_chat_template:
+            return PlainPromptCompletion(prompt, completion)
+        return Chat(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+            loss_from=1,
+        )
+    if not has_chat_template:
+        raise BadRecord(
+            "bad_field_type",
+            "message-list prompt/completion needs a tokenizer with a chat template",
+        )
+    head = (
+        [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str)
+        else _messages(prompt, pname)
+    )
+    if isinstance(completion, str):
+        tail = [{"role": "assistant", "content": completion}]
+    else:
+        tail = _messages(completion, cname)
+    return Chat(head + tail, loss_from=len(head))
+
+
+def _tokens(ids: Any, mask: Any, columns: Mapping[str, str]) -> Tokens:
+    name = columns.get("input_ids", "input_ids")
+    if not isinstance(ids, (list, tuple)):
+        raise BadRecord(
+            "bad_field_type", f"{name} must be a list of integers, got {type(ids).__name__}"
+        )
+    if not ids:
+        raise BadRecord("empty_input_ids", f"{name} is empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRecord("bad_field_type", f"{name} must hold integers only")
+    if mask is None:
+        return Tokens(list(ids))
+    mname = columns.get("loss_mask", "loss_mask")
+    if not isinstance(mask, (list, tuple)) or not all(isinstance(m, (bool, int)) for m in mask):
+        raise BadRecord("bad_field_type", f"{mname} must be a list of booleans or 0/1")
+    if len(mask) != len(ids):
+        raise BadRecord(
+            "loss_mask_length", f"{mname} has {len(mask)} entries, {name} has {len(ids)}"
+        )
+    return Tokens(list(ids), [bool(m) for m in mask])

@@ -1,0 +1,151 @@
+"""Flags -> PackConfig validation, and how a rerun treats what the output already holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from pipeline.config import config_from_args
+from pipeline.jobstate import (
+    OutputError,
+    check_writable,
+    clear_output,
+    config_diff,
+    inspect_output,
+    marker_path,
+    write_plan,
+)
+
+BASE = [
+    "--input",
+    "x.jsonl",
+    "--output",
+    "out",
+    "--tokenizer",
+    "t",
+    "--seq-len",
+    "4096",
+    "--cp",
+    "8",
+]
+
+
+def test_defaults_and_demo():
+    cfg = config_from_args(BASE)
+    assert cfg.pad_multiple == 8 and cfg.window_tokens == 128 * 4096 and cfg.overlong == "truncate"
+    demo = config_from_args(["--demo", "--output", "o"])
+    assert demo.inputs == ("demo://",) and demo.tokenizer == "packshard:demo"
+    assert (demo.seq_len, demo.cp) == (32768, 8)
+    assert (
+        config_from_args(["--demo", "--output", "o", "--seq-len", "1024", "--cp", "2"]).seq_len
+        == 1024
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--pad-multiple", "48"], "--seq-len 4096 is not a multiple of --pad-multiple 48"),
+        (["--cp", "0"], "--cp=0 is not valid"),
+        (["--loss-roles", "wizard"], "--loss-roles"),
+        (["--window", "0"], "--window=0"),
+    ],
+)
+def test_bad_values_name_the_flag(extra, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_args(BASE + extra)
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        config_from_args(["--output", "o", "--seq-len", "8"])
+    assert e.value.code == 2 and "--input" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        config_from_args(["--demo", "--output", "o", "--input", "x"])
+
+
+def test_zigzag_pad_multiple_and_tokenizerless_pretokenized():
+    cfg = config_from_args([*BASE, "--pad-multiple", "16"])
+    assert cfg.pad_multiple == 16
+    with pytest.raises(ValueError, match="--tokenizer"):
+        config_from_args(["--input", "x", "--output", "o", "--seq-len", "64", "--cp", "8"])
+    assert (
+        config_from_args(
+            ["--input", "x", "--output", "o", "--seq-len", "64", "--cp", "8", "--pad-token-id", "0"]
+        ).tokenizer
+        is None
+    )
+
+
+CONFIG = {
+    "seq_len": 4096,
+    "inputs": [{"url": "a", "bytes": 3, "version": "m=1", "records": 10}],
+    "packing": {"window": 128},
+}
+
+
+def _fs(tmp_path: Path):
+    return fsspec.filesystem("file"), str(tmp_path / "out")
+
+
+def test_fresh_then_resume_then_complete(tmp_path: Path):
+    fs, root = _fs(tmp_path)
+    check_writable(fs, root, root)
+    assert inspect_output(fs, root, root, CONFIG, overwrite=False).status == "fresh"
+    write_plan(fs, root, {"config": CONFIG, "inputs": []})
+    Path(marker_path(root, 0)).write_text(json.dumps({"plan": {"number": 0}}))
+    Path(marker_path(root, 1)).write_text("{not json")
+    state = inspect_output(fs, root, root, CONFIG, overwrite=False)
+    assert state.status == "resume" and list(state.markers) == [
+        0
+    ]  # the unreadable marker is redone
+    (Path(root) / "manifest.json").write_text(json.dumps({"config": CONFIG}))
+    # records are compared only once counted: a config without them matches
+    uncounted = {
+        **CONFIG,
+        "inputs": [{k: v for k, v in CONFIG["inputs"][0].items() if k != "records"}],
+    }
+    assert inspect_output(fs, root, root, uncounted, overwrite=False).status == "complete"
+
+
+def test_different_config_is_refused_unless_overwrite(tmp_path: Path):
+    fs, root = _fs(tmp_path)
+    check_writable(fs, root, root)
+    write_plan(fs, root, {"config": CONFIG, "inputs": []})
+    other = {**CONFIG, "seq_len": 8192}
+    with pytest.raises(OutputError, match=r"seq_len: 4096 \(existing\) vs 8192 \(this run\)"):
+        inspect_output(fs, root, root, other, overwrite=False)
+    changed = {**CONFIG, "inputs": [{**CONFIG["inputs"][0], "version": "m=2"}]}
+    with pytest.raises(OutputError, match="inputs"):
+        inspect_output(fs, root, root, changed, overwrite=False)
+    (Path(root) / "keep.txt").write_text("not ours")
+    assert inspect_output(fs, root, root, other, overwrite=True).status == "fresh"
+    assert sorted(p.name for p in Path(root).iterdir()) == [
+        "keep.txt"
+    ]  # only our files were removed
+
+
+def test_foreign_shards_are_refused(tmp_path: Path):
+    fs, root = _fs(tmp_path)
+    (Path(root) / "shards").mkdir(parents=True)
+    (Path(root) / "shards" / "part-00000.arrow").write_bytes(b"x")
+    with pytest.raises(OutputError, match="no packshard job state"):
+        inspect_output(fs, root, root, CONFIG, overwrite=False)
+    clear_output(fs, root)
+    assert not list((Path(root) / "shards").iterdir())
+
+
+def test_unwritable_output_is_refused_before_any_work(tmp_path: Path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text(
+        "x"
+    )  # a file where the output directory's parent should be (fails even as root)
+    with pytest.raises(OutputError, match="is not writable"):
+        check_writable(fsspec.filesystem("file"), str(blocker / "out"), str(blocker / "out"))
+
+
+def test_config_diff_names_nested_keys():
+    assert config_diff({"a": {"b": 1}}, {"a": {"b": 2}}) == ["a.b: 1 (existing) vs 2 (this run)"]

@@ -1,0 +1,193 @@
+"""Input listing, counting and range reads for every supported format."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from pipeline import readers
+from pipeline.readers import InputError, count_records, read_records, resolve_inputs
+from pipeline.samples import BadRecord
+
+RECORDS = [{"text": f"doc {i}", "n": i} for i in range(23)]
+
+
+def _jsonl(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def _all(path: str, **kw) -> list:
+    (f,) = resolve_inputs([path], **kw)
+    f = count_records(f)
+    return list(read_records(f, 0, f.records))
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    (tmp_path / "a.jsonl").write_bytes(_jsonl(RECORDS))
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(_jsonl(RECORDS)))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(RECORDS)))
+    (tmp_path / "d.json").write_text(json.dumps(RECORDS))
+    (tmp_path / "e.json").write_text(json.dumps({"version": 1, "data": RECORDS}))
+    (tmp_path / "f.json").write_bytes(_jsonl(RECORDS))  # JSON lines with a .json name
+    table = pa.Table.from_pylist(RECORDS)
+    pq.write_table(table, tmp_path / "g.parquet", row_group_size=5)
+    with pa.ipc.new_file(str(tmp_path / "h.arrow"), table.schema) as w:
+        for b in table.to_batches(max_chunksize=4):
+            w.write_batch(b)
+    with pa.ipc.new_stream(str(tmp_path / "i.arrow"), table.schema) as w:
+        for b in table.to_batches(max_chunksize=6):
+            w.write_batch(b)
+    (tmp_path / "j.txt").write_text("".join(f"{r['text']}\n" for r in RECORDS))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a.jsonl",
+        "b.jsonl.gz",
+        "c.jsonl.zst",
+        "d.json",
+        "e.json",
+        "f.json",
+        "g.parquet",
+        "h.arrow",
+        "i.arrow",
+        "j.txt",
+    ],
+)
+def test_every_format_reads_every_record_in_order(files: Path, name: str):
+    got = _all(str(files / name))
+    assert [rec["text"] for _, rec in got] == [r["text"] for r in RECORDS]
+    unit = (
+        "line"
+        if name.endswith((".jsonl", ".gz", ".zst", ".txt"))
+        else ("row" if name.endswith((".parquet", ".arrow")) else "record")
+    )
+    assert got[4][0] == f"{files / name}:{unit} 5"
+
+
+@pytest.mark.parametrize(
+    "name", ["a.jsonl", "b.jsonl.gz", "g.parquet", "h.arrow", "i.arrow", "d.json"]
+)
+def test_any_range_reads_the_same_records(files: Path, name: str, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(readers, "STRIDE", 4)  # seek checkpoints every 4 records
+    (f,) = resolve_inputs([str(files / name)])
+    f = count_records(f)
+    assert f.records == len(RECORDS)
+    for start, stop in [(0, 1), (3, 9), (8, 8), (13, 23), (22, 23)]:
+        got = [rec["n"] for _, rec in read_records(f, start, stop)]
+        assert got == list(range(start, stop)), (start, stop)
+
+
+def test_globs_expand_sorted_and_directories_recurse(files: Path):
+    found = resolve_inputs([str(files / "*.jsonl*")])
+    assert [Path(f.url).name for f in found] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst"]
+    (files / "sub").mkdir()
+    (files / "sub" / "z.jsonl").write_bytes(_jsonl(RECORDS[:2]))
+    (files / "notes.md").write_text("ignored")
+    names = [Path(f.url).name for f in resolve_inputs([str(files)])]
+    assert (
+        names == sorted(names, key=lambda n: str(next(files.rglob(n))))
+        and "z.jsonl" in names
+        and "notes.md" not in names
+    )
+    # order of inputs is kept
+    assert [
+        Path(f.url).name for f in resolve_inputs([str(files / "j.txt"), str(files / "a.jsonl")])
+    ] == ["j.txt", "a.jsonl"]
+
+
+def test_blank_lines_are_not_records_but_line_numbers_stay_true(tmp_path: Path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"text": "a"}\n\n   \n{"text": "b"}\n')
+    got = _all(str(p))
+    assert [(loc.rsplit(":", 1)[1], rec["text"]) for loc, rec in got] == [
+        ("line 1", "a"),
+        ("line 4", "b"),
+    ]
+
+
+def test_undecodable_lines_become_bad_records_with_their_line(tmp_path: Path):
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(b'{"text": "a"}\n{"text": \xff\xfe}\n{"text": "b",}\n')
+    got = _all(str(p))
+    assert (
+        isinstance(got[1][1], BadRecord)
+        and got[1][1].reason == "invalid_utf8"
+        and got[1][0].endswith(":line 2")
+    )
+    assert (
+        isinstance(got[2][1], BadRecord)
+        and got[2][1].reason == "malformed_json"
+        and got[2][0].endswith(":line 3")
+    )
+
+
+def test_hf_save_to_disk_directories(tmp_path: Path):
+    import datasets
+
+    ds = datasets.Dataset.from_list(RECORDS)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    assert [r["n"] for _, r in _all(str(tmp_path / "ds"))] == list(range(23))
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(3))}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    assert len(_all(str(tmp_path / "dd"), split="test")) == 3
+    with pytest.raises(InputError, match="without split 'validation'"):
+        resolve_inputs([str(tmp_path / "dd")], split="validation")
+
+
+def test_demo_input_is_generated_where_it_is_read():
+    (f,) = resolve_inputs(["demo://?num_math=5&num_trajectories=1"])
+    assert f.format == "demo" and f.records == 6
+    recs = [r for _, r in read_records(f, 2, 4)]
+    assert all("messages" in r for r in recs)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("/nonexistent/file.jsonl", "does not exist"),
+        ("/nonexistent/*.jsonl", "matches no readable files"),
+        ("README.md", "unsupported file type"),
+    ],
+)
+def test_unusable_inputs_are_named(spec: str, match: str):
+    with pytest.raises(InputError, match=match):
+        resolve_inputs([spec])
+
+
+def test_corrupt_and_unreadable_files_are_named(tmp_path: Path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"this is not parquet")
+    (f,) = resolve_inputs([str(bad)])
+    with pytest.raises(InputError, match=r"bad\.parquet: unreadable parquet"):
+        count_records(f)
+    (tmp_path / "bad.json").write_text("[1, 2,")
+    (f,) = resolve_inputs([str(tmp_path / "bad.json")])
+    with pytest.raises(InputError, match="not valid JSON at line 1"):
+        count_records(f)
+    locked = tmp_path / "locked.jsonl"
+    locked.write_text('{"text": "x"}\n')
+    (f,) = resolve_inputs([str(locked)])
+    locked.unlink()
+    with pytest.raises(InputError, match="disappeared"):
+        count_records(f)
+
+
+def test_a_file_that_shrinks_after_counting_is_reported(tmp_path: Path):
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(_jsonl(RECORDS))
+    (f,) = resolve_inputs([str(p)])
+    f = count_records(f)
+    p.write_bytes(_jsonl(RECORDS[:3]))
+    with pytest.raises(InputError, match="the file changed"):
+        list(read_records(f, 0, f.records))

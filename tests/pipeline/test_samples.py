@@ -1,0 +1,107 @@
+"""Raw records -> typed samples: kind detection, column mapping, every rejection reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.samples import (
+    REASONS,
+    BadRecord,
+    Chat,
+    PlainPromptCompletion,
+    Text,
+    Tokens,
+    parse_columns,
+    to_sample,
+)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def test_kinds_are_detected_in_order():
+    assert isinstance(to_sample(CHAT), Chat)
+    assert isinstance(to_sample({"text": "doc"}), Text)
+    assert to_sample({"input_ids": [1, 2], "loss_mask": [0, 1]}) == Tokens([1, 2], [False, True])
+    pc = to_sample({"prompt": "q", "completion": "a", "text": "ignored"})
+    assert (
+        isinstance(pc, Chat)
+        and pc.loss_from == 1
+        and pc.messages[1] == {"role": "assistant", "content": "a"}
+    )
+    assert to_sample(
+        {"prompt": "q", "completion": "a"}, has_chat_template=False
+    ) == PlainPromptCompletion("q", "a")
+
+
+def test_prompt_completion_message_lists_train_only_the_completion():
+    rec = {
+        "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+        "completion": [{"role": "assistant", "content": "a"}],
+    }
+    s = to_sample(rec)
+    assert isinstance(s, Chat) and s.loss_from == 2 and len(s.messages) == 3
+
+
+def test_column_mapping_serves_a_mix_of_datasets():
+    cols = parse_columns(["prompt=question,completion=answer", "text=body"])
+    assert cols == {"prompt": "question", "completion": "answer", "text": "body"}
+    s = to_sample({"question": "2+2?", "answer": "4"}, columns=cols)
+    assert isinstance(s, Chat) and s.messages[0]["content"] == "2+2?"
+    assert isinstance(to_sample(CHAT, columns=cols), Chat)  # a chat record still matches
+    assert to_sample({"body": "doc"}, columns=cols) == Text("doc")
+
+
+def test_forced_kind_and_tools_as_json_string():
+    s = to_sample({**CHAT, "tools": '[{"name": "f"}]'}, kind="messages")
+    assert isinstance(s, Chat) and s.tools == [{"name": "f"}]
+    with pytest.raises(BadRecord) as e:
+        to_sample(CHAT, kind="text")
+    assert e.value.reason == "missing_fields"
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ([1, 2], "not_an_object"),
+        ({"foo": 1}, "missing_fields"),
+        ({"messages": []}, "empty_conversation"),
+        ({"messages": "hi"}, "bad_field_type"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown_role"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "unknown_role"),
+        ({"messages": [{"content": "x"}]}, "missing_fields"),
+        ({"messages": [{"role": "user"}]}, "missing_fields"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
+            "bad_field_type",
+        ),
+        ({**CHAT, "tools": "not json"}, "bad_field_type"),
+        ({"text": ""}, "empty_text"),
+        ({"text": 3}, "bad_field_type"),
+        ({"input_ids": []}, "empty_input_ids"),
+        ({"input_ids": [1, "2"]}, "bad_field_type"),
+        ({"input_ids": [1, 2], "loss_mask": [1]}, "loss_mask_length"),
+        ({"prompt": "q", "completion": 3}, "bad_field_type"),
+    ],
+)
+def test_bad_records_name_their_reason(record, reason):
+    with pytest.raises(BadRecord) as e:
+        to_sample(record)
+    assert e.value.reason == reason and e.value.reason in REASONS
+    assert e.value.detail  # says what was wrong
+
+
+def test_assistant_tool_call_without_content_is_fine():
+    rec = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+        ]
+    }
+    assert isinstance(to_sample(rec), Chat)
+
+
+def test_bad_column_flags_are_refused():
+    with pytest.raises(ValueError, match="not a field"):
+        parse_columns(["question=prompt"])
+    with pytest.raises(ValueError, match="CANONICAL=FIELD"):
+        parse_columns(["prompt"])

@@ -1,0 +1,167 @@
+"""The pack job's task functions run in-process (no Ray): tokenize a block, pack + write +
+verify a shard, check a kept shard."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pipeline.jobstate import marker_path
+from pipeline.planning import ShardPlan, contributions, plan_shards
+from pipeline.readers import count_records, resolve_inputs
+from pipeline.tasks import WorkSpec, check_shard, pack_shard, tokenize_block
+from pipeline.tokenization import load_tokenizer, tokenizer_fingerprint
+
+
+def _spec(out: Path, **kw) -> WorkSpec:
+    tok = load_tokenizer("packshard:demo")
+    base = {
+        "output": str(out),
+        "storage_options": {},
+        "tokenizer": "packshard:demo",
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "trust_remote_code": False,
+        "tokenizer_revision": None,
+        "kind": "auto",
+        "columns": {},
+        "loss_roles": ("assistant",),
+        "template_kwargs": {},
+        "skip_bad_records": True,
+        "seq_len": 256,
+        "pad_multiple": 8,
+        "pad_token_id": tok.pad_token_id,
+        "algorithm": "bfd",
+        "overlong": "truncate",
+        "carry_rows": 1,
+        "rows_per_batch": 16,
+        "config_digest": "sha256:test",
+    }
+    return WorkSpec(**{**base, **kw})
+
+
+def _records(n: int) -> list[dict]:
+    recs = []
+    for i in range(n):
+        if i % 17 == 5:
+            recs.append({"messages": []})  # bad: empty conversation
+        elif i % 3 == 0:
+            recs.append({"text": "x" * (20 + 7 * i % 300)})
+        else:
+            recs.append({"prompt": f"q{i}", "completion": "a" * (5 + i % 40)})
+    return recs
+
+
+@pytest.fixture
+def data(tmp_path: Path):
+    p = tmp_path / "in.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in _records(120)))
+    (f,) = resolve_inputs([str(p)])
+    return count_records(f)
+
+
+def _blocks(spec, f, per):
+    metas, datas = [], []
+    for start in range(0, f.records, per):
+        m, d = tokenize_block(spec, f, start, min(f.records, start + per), start)
+        metas.append(m)
+        datas.append(d)
+    return metas, datas
+
+
+def test_tokenize_block_reports_bad_records_with_location(tmp_path: Path, data):
+    spec = _spec(tmp_path / "out")
+    meta, block = tokenize_block(spec, data, 0, 40, 0)
+    assert meta.status.tolist().count(0) == 37 and (meta.lengths[meta.status > 0] == 0).all()
+    sid, location, reason, _ = meta.examples[0]
+    assert (sid, reason) == (5, "empty_conversation") and location.endswith("in.jsonl:line 6")
+    assert block.offsets[-1] == block.tokens.size == meta.tokens
+
+
+def test_pack_shard_is_independent_of_block_boundaries_and_verifies(tmp_path: Path, data):
+    shards = {}
+    for per in (7, 50, 120):
+        spec = _spec(tmp_path / f"out{per}")
+        metas, datas = _blocks(spec, data, per)
+        contrib = contributions(
+            np.concatenate([m.lengths for m in metas]), spec.seq_len, spec.overlong
+        )
+        plans = plan_shards(
+            contrib,
+            first_number=0,
+            first_position=0,
+            window_tokens=4 * 256,
+            shard_tokens=8 * 256,
+            complete=True,
+        )
+        firsts = [d.first_id for d in datas]
+        results = [pack_shard(spec, p, None, firsts, *datas) for p in plans]
+        shards[per] = [r.record.checksum for r in results]
+        assert sum(r.counters["samples_in"] for r in results) == 120
+        assert sum(r.counters["dropped"].get("empty_conversation", 0) for r in results) == 7
+        marker = json.loads(Path(marker_path(str(tmp_path / f"out{per}"), 0)).read_text())
+        assert marker["record"]["checksum"] == results[0].record.checksum
+    assert shards[7] == shards[50] == shards[120] and len(shards[7]) > 1
+
+
+def test_shuffled_shard_gathers_from_many_blocks(tmp_path: Path, data):
+    spec = _spec(tmp_path / "out")
+    _, datas = _blocks(spec, data, 16)
+    ids = np.random.default_rng(0).permutation(120)
+    plan = ShardPlan(0, 0, 120, (60, 120))
+    result = pack_shard(spec, plan, ids, [d.first_id for d in datas], *datas)
+    table = pa.ipc.open_file(str(tmp_path / "out" / result.record.path)).read_all()
+    seen = np.concatenate(table.column("sample_ids").to_pylist())
+    assert sorted(seen.tolist()) == sorted(i for i in range(120) if i % 17 != 5)
+    # every document holds exactly its sample's tokens
+    by_id = {
+        d.first_id + j: d.tokens[d.offsets[j] : d.offsets[j + 1]]
+        for d in datas
+        for j in range(d.status.size)
+    }
+    for row in table.to_pylist():
+        pos = 0
+        for sid, n in zip(row["sample_ids"], row["doc_lens"], strict=True):
+            expect = by_id[sid][:n]
+            assert row["input_ids"][pos : pos + n] == expect.tolist()
+            pos += n
+
+
+def test_check_shard_keeps_good_shards_and_rejects_touched_ones(tmp_path: Path, data):
+    spec = _spec(tmp_path / "out")
+    _, datas = _blocks(spec, data, 120)
+    plan = ShardPlan(0, 0, 120, (120,))
+    result = pack_shard(spec, plan, None, [0], *datas)
+    marker = json.loads(Path(marker_path(str(tmp_path / "out"), 0)).read_text())
+    kept = check_shard(spec, marker)
+    assert not isinstance(kept, str) and kept.kept
+    for name in result.record.index:
+        assert np.array_equal(kept.record.index[name], result.record.index[name])
+    assert (
+        check_shard(replace(spec, config_digest="sha256:other"), marker)
+        == "its marker belongs to another config"
+    )
+    shard = tmp_path / "out" / result.record.path
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    assert "checksum" in check_shard(spec, marker)
+    shard.unlink()
+    assert check_shard(spec, marker) == "the shard file is missing"
+
+
+def test_no_tokenizer_accepts_pretokenized_only(tmp_path: Path):
+    p = tmp_path / "ids.jsonl"
+    p.write_text(
+        '{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}\n{"text": "needs a tokenizer"}\n'
+    )
+    (f,) = resolve_inputs([str(p)])
+    f = count_records(f)
+    spec = _spec(tmp_path / "out", tokenizer=None, tokenizer_fingerprint=None, pad_token_id=0)
+    meta, block = tokenize_block(spec, f, 0, 2, 0)
+    assert block.tokens.tolist() == [1, 2, 3] and block.mask.tolist() == [False, True, True]
+    assert meta.examples[0][2] == "no_tokenizer"
