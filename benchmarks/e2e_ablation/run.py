@@ -1,0 +1,406 @@
+"""End-to-end padding ablation (issue 6): one entry point for every step.
+
+    # here, on CPU: pack the two workloads (plus long_greedy) into .bench/e2e_data (~40 MB)
+    PYTHONPATH=. .venv/bin/python benchmarks/e2e_ablation/run.py --prepare-data .bench/e2e_data
+    # on the H200 (one device call, carry .bench/e2e_data): everything under $OUT
+    PYTHONPATH=. python3 benchmarks/e2e_ablation/run.py --data .bench/e2e_data --out $OUT
+    # here, afterwards: append the fetched results to benchmarks/RESULTS.md
+    PYTHONPATH=. .venv/bin/python benchmarks/e2e_ablation/run.py --append-results /path/to/e2e_results.json
+    # CPU smoke test of the whole path at toy sizes (synthetic data, torch reference indexer)
+    PYTHONPATH=. .venv/bin/python benchmarks/e2e_ablation/run.py --smoke --out /tmp/e2e_smoke
+
+The GPU run writes e2e_results.json (everything, including the RESULTS.md section under
+"markdown"), e2e_results.md, e2e_step_times.png and e2e_run.log into --out, after every
+workload, so a run stopped by its deadline or a timeout still returns what it finished.
+Workloads run in the order given (default long, math, long_greedy). --deadline-s (from the
+process start) stops a workload after the step in progress and skips the ones not started.
+See README.md beside this file for the model, FLOPs, seq_len choice and device command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROCESS_START = time.monotonic()  # --deadline-s counts from here (imports included)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before torch loads
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.e2e_ablation.config import ARM_BY_NUMBER, PRESETS, RunConfig, with_overrides  # noqa: E402
+
+log = logging.getLogger("e2e_ablation")
+
+WORKLOAD_INFO = {  # what --prepare-data builds (data.py); the smoke run reuses the names for toy data
+    "long": "long multi-turn agent trajectories (22 real SWE-agent + synthetic, median ~17K tokens), BFD rows",
+    "math": "GSM8K chats (95-567 tokens), BFD rows",
+    "long_greedy": "the long mix packed in order (greedy next-fit), as sequential loaders do",
+}
+
+
+def _setup_logging(out: Path | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(out / "e2e_run.log"))
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+
+
+def _model_summary(run: RunConfig) -> str:
+    from benchmarks.e2e_ablation.flops import per_token_weights
+
+    m = run.model
+    w = per_token_weights(m)
+    return (
+        f"{m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size} (tied), MQA sparse attention {m.n_heads} heads x "
+        f"({m.kv_dim} latent + {m.rope_dim} RoPE), indexer {m.index_heads} x {m.index_dim} top-{m.index_topk}, MoE "
+        f"{m.n_experts} experts top-{m.expert_topk} x SwiGLU {m.expert_dim}; {w['dense'] / 1e6:.0f}M dense + "
+        f"{w['lm_head'] / 1e6:.0f}M LM-head weights per token"
+    )
+
+
+def _indexer_for(arm_number: int, run: RunConfig) -> Any:
+    from benchmarks.e2e_ablation.indexers import make_indexer
+
+    tuned = ARM_BY_NUMBER[arm_number].autotuned_indexer
+    if run.indexer == "reference":
+        return make_indexer("reference_autotuned" if tuned else "reference")
+    return make_indexer("autotuned" if tuned else "fixed")
+
+
+def self_checks(run: RunConfig, device: torch.device) -> tuple[str, dict[str, str]]:
+    """Check the fixed indexer against the reference and pick the sparse-attention kernel."""
+    from benchmarks.e2e_ablation.sparse_attention import self_check
+
+    checks: dict[str, str] = {}
+    m = run.model
+    if run.indexer == "kernel":
+        from kernels import fp8_indexer_topk, reference_indexer_topk
+
+        g = torch.Generator().manual_seed(1)
+        docs, pad = [300, 200, 100], 40
+        s = sum(docs) + pad
+        q = torch.randn(s, m.index_heads, m.index_dim, generator=g).bfloat16()
+        k = torch.randn(s, m.index_dim, generator=g).bfloat16()
+        w = torch.randn(s, m.index_heads, generator=g)
+        starts = np.repeat(np.cumsum([0, *docs[:-1]]), docs)
+        ks = torch.tensor(np.concatenate([starts, np.arange(sum(docs), s)]), dtype=torch.int32)
+        ke = torch.tensor(
+            np.concatenate([np.arange(1, sum(docs) + 1), np.arange(sum(docs), s)]),
+            dtype=torch.int32,
+        )
+        got = fp8_indexer_topk(
+            q.to(device), k.to(device), w.to(device), ks.to(device), ke.to(device), 64
+        ).cpu()
+        ref = reference_indexer_topk(q, k, w, ks, ke, 64)
+        agree = float((got == ref).float().mean())
+        checks["indexer"] = (
+            f"fixed kernel vs torch reference: {agree:.2%} of top-64 slots identical"
+        )
+        if agree < 0.99:
+            log.warning(
+                "the fixed indexer disagrees with the reference on %.2f%% of slots",
+                100 * (1 - agree),
+            )
+    impl = run.attention
+    if impl in ("auto", "triton"):
+        ok, msg = self_check(
+            device,
+            getattr(torch, run.dtype),
+            h=m.n_heads,
+            dc=m.kv_dim,
+            dr=m.rope_dim,
+            topk=m.index_topk,
+        )
+        checks["sparse_attention"] = msg
+        if not ok and impl == "triton":
+            raise RuntimeError(f"--attention triton: the kernel's self-check failed: {msg}")
+        impl = "triton" if ok else "torch"
+        if not ok:
+            log.warning("sparse attention falls back to the torch reference: %s", msg)
+    checks["sparse_attention_impl"] = impl
+    return impl, checks
+
+
+def run_workload(name: str, data_dir: Path, run: RunConfig, device: torch.device, attention: str, deadline: float | None,
+                 info: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    from benchmarks.e2e_ablation.arms import arm_summary, build_arms
+    from benchmarks.e2e_ablation.train import build_base_model, make_arm, train_interleaved
+
+    arms = tuple(ARM_BY_NUMBER[n] for n in run.arms)
+    batches = build_arms(str(data_dir / name / "pad8"), str(data_dir / name / "padseq"), run, arms)
+    base = build_base_model(run, device)
+    runs = [
+        make_arm(a.number, base, _indexer_for(a.number, run), batches[a.number], run, device)
+        for a in arms
+    ]
+    del base
+    t0 = time.monotonic()
+    done, stopped = train_interleaved(runs, run, device, attention, deadline=deadline)
+    record = {
+        "name": name, "rows_per_step": run.rows_per_step, "n_experts": run.model.n_experts, "steps_done": done,
+        "stopped_early": stopped, "wall_s": time.monotonic() - t0,
+        "data": {**info, "description": WORKLOAD_INFO.get(name, name), "rows": run.rows_needed},
+        "arms": [r.record() for r in runs],
+        "arm_data": {r.number: arm_summary(r.batches) for r in runs},
+        "flops_per_step": _flops(run, runs),
+    }  # fmt: skip
+    del runs, batches
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def _flops(run: RunConfig, runs: list[Any]) -> dict[str, dict[str, float]]:
+    from benchmarks.e2e_ablation.flops import row_flops
+
+    out = {}
+    for r in runs:
+        tot: dict[str, float] = {}
+        for mb in r.batches:
+            f = row_flops(
+                run.model, mb.meta["padded_len"], mb.meta["ranked_pairs"], mb.meta["selected_pairs"]
+            )
+            for k, v in f.items():
+                tot[k] = tot.get(k, 0.0) + v / run.steps
+        out[str(r.number)] = tot
+    return out
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    from benchmarks.e2e_ablation.report import plot_step_times, results_markdown, summarize
+
+    for w in result["workloads"]:
+        summarize(w, result["run"]["timed_from"], result["run"]["loss_tolerance"])
+    result["plot"] = "e2e_step_times.png"
+    result["markdown"] = results_markdown(result)
+    (out / "e2e_results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / "e2e_results.md").write_text(result["markdown"] + "\n")
+    try:
+        plot_step_times(result, out / "e2e_step_times.png")
+    except (ImportError, ValueError, OSError) as e:
+        log.warning("plot not written: %s", e)
+
+
+def run_all(
+    run: RunConfig,
+    data_dir: Path,
+    out: Path,
+    workloads: list[str],
+    deadline_s: float | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    from benchmarks._results import command_line, machine_description
+    from benchmarks.e2e_ablation.report import print_table
+
+    start = PROCESS_START
+    deadline = start + deadline_s if deadline_s else None
+    info_path = data_dir / "data_info.json"
+    data_info = (
+        json.loads(info_path.read_text()).get("workloads", {}) if info_path.is_file() else {}
+    )
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    attention, checks = self_checks(run, device)
+    result: dict[str, Any] = {
+        "command": command_line(), "machine": machine_description(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "run": {k: v for k, v in run.__dict__.items() if k != "model"}, "model": run.model.__dict__,
+        "model_summary": _model_summary(run), "attention_impl": attention, "self_checks": checks,
+        "indexers": {"fixed": _indexer_for(4, run).implementation, "autotuned": _indexer_for(3, run).implementation},
+        "workloads": [], "notes": [],
+    }  # fmt: skip
+    for name in workloads:
+        if not (data_dir / name / "pad8").is_dir():
+            result["notes"].append(
+                f"workload {name}: no data under {data_dir / name}; skipped (prepare it with --prepare-data)"
+            )
+            log.warning(result["notes"][-1])
+            continue
+        if deadline is not None and deadline - time.monotonic() < 30:
+            result["notes"].append(
+                f"workload {name} skipped: the deadline (--deadline-s {deadline_s:.0f}) was reached"
+            )
+            log.warning(result["notes"][-1])
+            continue
+        t0 = time.monotonic()
+        log.info("workload %s: start", name)
+        result["workloads"].append(
+            run_workload(name, data_dir, run, device, attention, deadline, data_info.get(name, {}))
+        )
+        result["elapsed_s"] = time.monotonic() - start
+        write_outputs(result, out)
+        log.info(
+            "workload %s: done in %.1f s (%.1f s since start)",
+            name,
+            time.monotonic() - t0,
+            result["elapsed_s"],
+        )
+    if not result["workloads"]:
+        raise RuntimeError(f"no workload ran: no data under {data_dir}")
+    print_table(result)
+    return result
+
+
+def prepare_smoke_data(root: Path, run: RunConfig) -> None:
+    """Two tiny workloads of synthetic token ids, each packed twice (pad8 / padseq), with packers."""
+    import pyarrow as pa
+
+    from packers import DatasetWriter, pack_table
+
+    rng = np.random.default_rng(0)
+    specs = {"long": (40, 230), "math": (12, 48)}
+    info: dict[str, Any] = {"workloads": {}}
+    for name, (lo, hi) in specs.items():
+        n = 3 * run.rows_needed * run.seq_len // (lo + hi)
+        lengths = rng.integers(lo, hi, n)
+        ids = [rng.integers(2, run.model.vocab_size, k).astype(np.int32) for k in lengths]
+        masks = [np.arange(k) >= k // 3 for k in lengths]
+        table = pa.table(
+            {
+                "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+                "loss_mask": pa.array(masks, type=pa.list_(pa.bool_())),
+            }
+        )
+        for sub, pm, pad_id in (("pad8", run.pad_multiple, 1), ("padseq", run.seq_len, 0)):
+            batch, _ = pack_table(table, seq_len=run.seq_len, pad_multiple=pm, pad_token_id=pad_id)
+            cfg = {"seq_len": run.seq_len, "cp": 8, "pad_multiple": pm, "pad_token_id": pad_id, "packing": {"algorithm": "bfd"},
+                   "overlong": "truncate", "seed": 0, "inputs": ["smoke"], "tokenizer": {"name": "synthetic", "fingerprint": "-"}}  # fmt: skip
+            w = DatasetWriter(str(root / name / sub), cfg, max_rows=16)
+            w.write(batch)
+            w.close({"samples_in": n, "samples_kept": n, "dropped": {}})
+        info["workloads"][name] = {
+            "samples": n,
+            "packer": "in-process packers.pack_table (bfd), synthetic ids",
+        }
+    (root / "data_info.json").write_text(json.dumps(info))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--prepare-data",
+        metavar="DIR",
+        type=Path,
+        help="pack the workloads into DIR (CPU, needs ../shared/data)",
+    )
+    mode.add_argument(
+        "--smoke",
+        action="store_true",
+        help="toy sizes on CPU with synthetic data (the test's path)",
+    )
+    mode.add_argument(
+        "--append-results",
+        metavar="FILE",
+        type=Path,
+        help="append a GPU run's e2e_results.json to benchmarks/RESULTS.md",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=REPO / ".bench" / "e2e_data",
+        help="prepared data (default .bench/e2e_data)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / ".bench" / "e2e_out",
+    )
+    p.add_argument(
+        "--workloads", default="long,math,long_greedy", help="comma-separated, run in this order"
+    )
+    p.add_argument("--arms", default=None, help="comma-separated arm numbers (default 1,2,3,4)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--rows-per-step", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="--prepare-data: rows per dataset (default steps x rows_per_step + 4)",
+    )
+    p.add_argument("--attention", choices=["auto", "triton", "torch"], default=None)
+    p.add_argument("--indexer", choices=["kernel", "reference"], default=None)
+    p.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="--prepare-data: pack in process, not with pipeline/pack.py",
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=500.0,
+        help="stop starting steps after this many seconds (0: none)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.append_results is not None:
+        from benchmarks.e2e_ablation.report import append_results_file
+
+        print(append_results_file(args.append_results))
+        print(f"\nappended to {REPO / 'benchmarks' / 'RESULTS.md'}")
+        return 0
+    preset = PRESETS["smoke" if args.smoke else "h200"]
+    arms = tuple(int(a) for a in args.arms.split(",")) if args.arms else None
+    run = with_overrides(preset, steps=args.steps, rows_per_step=args.rows_per_step, seq_len=args.seq_len,
+                         attention=args.attention, indexer=args.indexer, arms=arms)  # fmt: skip
+    workloads = [w for w in args.workloads.split(",") if w]
+    if args.prepare_data is not None:
+        _setup_logging(None)
+        from benchmarks.e2e_ablation.data import prepare
+
+        info = prepare(args.prepare_data, seq_len=run.seq_len, pad_multiple=run.pad_multiple, rows=args.rows or run.rows_needed + 4,
+                       workloads=tuple(workloads), pipeline=not args.no_pipeline)  # fmt: skip
+        print(json.dumps(info, indent=1))
+        return 0
+    _setup_logging(args.out)
+    if args.smoke:
+        torch.set_num_threads(
+            1
+        )  # toy shapes: more threads only contend (7x slower on a loaded 2-core box)
+        with tempfile.TemporaryDirectory(prefix="e2e_smoke_") as tmp:
+            prepare_smoke_data(Path(tmp), run)
+            run_all(
+                run,
+                Path(tmp),
+                args.out,
+                [w for w in workloads if w in ("long", "math")],
+                None,
+                torch.device("cpu"),
+            )
+        return 0
+    if not torch.cuda.is_available():
+        log.error("no CUDA device: the full run needs the GPU (use --smoke on CPU)")
+        return 2
+    run_all(run, args.data, args.out, workloads, args.deadline_s or None, torch.device("cuda"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
