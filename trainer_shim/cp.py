@@ -107,15 +107,21 @@ def cp_positions(
 
 
 def cp_slices(
-    length: int, cp_size: int, cp_rank: int, layout: CpLayout = "contiguous"
+    length: int,
+    cp_size: int,
+    cp_rank: int,
+    layout: CpLayout = "contiguous",
+    *,
+    row: int | None = None,
 ) -> list[slice]:
     """The same chunk as `cp_positions`, as one or two slices of the row (cheap to apply)."""
-    pos = cp_positions(length, cp_size, cp_rank, layout)
-    if pos.size == 0:
-        return [slice(0, 0)]
+    _check_topology(cp_size, cp_rank, layout)
     chunks = CP_LAYOUTS[layout][0]
-    size = pos.size // chunks
-    return [slice(int(pos[i * size]), int(pos[i * size]) + size) for i in range(chunks)]
+    if length % (chunks * cp_size):
+        cp_positions(length, cp_size, cp_rank, layout, row=row)  # raises the error
+    size = length // (chunks * cp_size)
+    firsts = [cp_rank, 2 * cp_size - 1 - cp_rank][:chunks]
+    return [slice(c * size, (c + 1) * size) for c in firsts]
 
 
 def reassemble(

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer_shim.cp import CpLayout, cp_positions
+from trainer_shim.cp import CpLayout, cp_slices
 
 IGNORE_INDEX = -100
 TENSOR_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "ks", "ke")
@@ -109,32 +109,56 @@ def build_microbatch(
     cp_layout: CpLayout = "contiguous",
     row: int = -1,
 ) -> dict[str, Any]:
-    """This CP rank's arrays of one row (numpy), plus the whole row's counts."""
+    """This CP rank's arrays of one row (numpy), plus the whole row's counts.
+
+    The same values as `labels_of`, `position_ids_of` and `key_ranges` (which tests use as the
+    plain reference), computed in fewer passes: ~10 array passes over the row in all.
+    """
     input_ids = np.asarray(input_ids)
-    padded_len = int(input_ids.size)
+    length = int(input_ids.size)
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     num_tokens = int(doc_lens.sum())
-    cu = cu_seqlens_of(doc_lens, padded_len)
-    labels = labels_of(input_ids, loss_mask, doc_lens)
-    num_loss_tokens = int(np.count_nonzero(labels != IGNORE_INDEX))
-    pos_ids = position_ids_of(cu)
-    ids = input_ids.astype(np.int64)
+    cu = cu_seqlens_of(doc_lens, length)
+    seg_start = np.repeat(cu[:-1], np.diff(cu))  # int32: start of each position's segment
+    arange = np.arange(length, dtype=np.int32)
+    # labels: target of t is token t+1, unless t+1 starts a document or has no loss
+    valid = np.array(loss_mask[1:], dtype=np.bool_)
+    if doc_lens.size > 1:
+        valid[cu[1 : doc_lens.size] - 1] = False
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    np.copyto(labels[:-1], input_ids[1:], where=valid)
+    num_loss_tokens = int(np.count_nonzero(valid))
+    pos_ids = arange - seg_start
+    ks = seg_start
+    ke = arange + 1
+    ks[num_tokens:] = arange[num_tokens:]  # padding: the empty range [p, p)
+    ke[num_tokens:] = arange[num_tokens:]
     if cp_size > 1:
-        local = cp_positions(padded_len, cp_size, cp_rank, cp_layout, row=row)
-        ids, labels, pos_ids = ids[local], labels[local], pos_ids[local]
+        chunks = cp_slices(length, cp_size, cp_rank, cp_layout, row=row)
+        take = (
+            (lambda a: a[chunks[0]])
+            if len(chunks) == 1
+            else (lambda a: np.concatenate([a[c] for c in chunks]))
+        )
+        ids, labels, pos_ids, ks, ke = (
+            take(input_ids),
+            take(labels),
+            take(pos_ids),
+            take(ks),
+            take(ke),
+        )
     else:
-        local = np.arange(padded_len, dtype=np.int64)
-    ks, ke = key_ranges(cu, num_tokens, local)
+        ids = input_ids
     return {
-        "input_ids": ids,
+        "input_ids": ids.astype(np.int64),
         "labels": labels,
-        "position_ids": pos_ids,
+        "position_ids": pos_ids.astype(np.int64),
         "cu_seqlens": cu,
-        "ks": ks,
-        "ke": ke,
+        "ks": np.ascontiguousarray(ks),
+        "ke": np.ascontiguousarray(ke),
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss_tokens,
-        "padded_len": padded_len,
+        "padded_len": length,
         "attn_cost": int((doc_lens * doc_lens).sum()),
         "row": row,
     }

@@ -17,10 +17,12 @@ The plan, per epoch `e`:
    (``rows_per_step / dp_size`` micro-steps each). A short last step is completed with filler
    micro-steps (row -1, zero cost), so every rank runs the same number of micro-steps and no
    collective hangs. ``balance="cost"`` uses `packers.partition_balanced` (LPT with a
-   cardinality cap, then swaps) on `CostModel` costs: on a long-trajectory mix with dp=4 this
-   gets the largest rank within ~1% of the mean where round-robin is 10-40% over (see
-   benchmarks/RESULTS.md). It is never worse than round-robin: when the heuristic's largest
-   load exceeds round-robin's (possible in rare tiny cases) the round-robin split is used.
+   cardinality cap, then swaps) on `CostModel` costs. On the long-trajectory mix of
+   benchmarks/bench_stream.py (dp=4, rows packed at 32K) the largest rank is 1.2% over the
+   mean with 8 rows per rank per step (round-robin: 6.7%) and 0.15% with 16 (4.5%); with 2
+   rows per rank it is 12%, the optimum for pairs (more rows per step balance better, and a
+   trainer with gradient accumulation has them). It is never worse than round-robin: when
+   the heuristic's largest load would exceed round-robin's, the round-robin split is used.
    ``balance="count"`` is plain round-robin in block order (what most loaders do).
 4. **Order within a rank.** With ``"cost"``, a rank runs its rows heaviest first (ties by
    block position), so micro-step k of every rank holds rows of similar cost: under FSDP,

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer_shim.cp import cp_positions
-from trainer_shim.microbatch import IGNORE_INDEX, build_microbatch, filler_microbatch
+from trainer_shim.microbatch import (
+    IGNORE_INDEX,
+    build_microbatch,
+    filler_microbatch,
+    key_ranges,
+    labels_of,
+    position_ids_of,
+)
 
 
 def test_hand_example():
@@ -75,6 +82,11 @@ def test_labels_never_cross_documents(row, cp, layout):
     doc_of[:n] = np.repeat(np.arange(len(docs)), docs)
     start_of = np.concatenate(([0], np.cumsum(docs)))[:-1]
     whole = build_microbatch(ids, mask, np.array(docs))
+    # the plain helpers compute the same thing one concept at a time
+    assert np.array_equal(labels_of(ids, mask, np.array(docs)), whole["labels"])
+    assert np.array_equal(position_ids_of(whole["cu_seqlens"]), whole["position_ids"])
+    ks, ke = key_ranges(whole["cu_seqlens"], n, np.arange(length))
+    assert np.array_equal(ks, whole["ks"]) and np.array_equal(ke, whole["ke"])
     for t in range(length):
         ok = t + 1 < n and doc_of[t + 1] == doc_of[t] and mask[t + 1]
         assert whole["labels"][t] == (ids[t + 1] if ok else IGNORE_INDEX)
