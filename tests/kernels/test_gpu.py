@@ -114,6 +114,8 @@ def test_256k_key_rows_run_under_the_memory_bound() -> None:
     cfg = IndexerConfig(max_chunk_bytes=256 << 20)  # 256 MiB: 192 rows of 256K keys per chunk
     p = prepare_inputs(q, k, w, ks, ke)
     idx = indexer_topk_prepared(p, 2048, cfg, stats=stats)
-    assert stats["chunks"] == 3 and stats["fallback_rows"] == 0
+    # 256K-key rows sample 2048 of 256K scores (rank ~24 of the sample): a row may miss the
+    # [topk, CAP] window three times and take the exact torch path (1 of 512 on the H200)
+    assert stats["chunks"] == 3 and stats["fallback_rows"] <= s_q // 100
     logits = fp8_indexer_logits(q, k, w, ks, ke)
     assert torch.equal(idx, topk_rows_torch(logits, 0, ks, ke, 2048, s_k))
