@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile packers/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
 	$(BIN)/pip install -q "$(TORCH)"

@@ -9,7 +9,7 @@ from packers.balance import (
     partition_balanced,
     partition_round_robin,
 )
-from packers.bins import ALGORITHMS, Algorithm, lower_bound_rows, plan_bins
+from packers.bins import ALGORITHMS, Algorithm, FlatPlan, lower_bound_rows, plan_bins, plan_rows
 from packers.format import FORMAT_VERSION, INDEX_SCHEMA, SHARD_SCHEMA, FormatError
 from packers.overlong import (
     OVERLONG_POLICIES,
@@ -39,6 +39,7 @@ __all__ = [
     "Algorithm",
     "CostModel",
     "DatasetWriter",
+    "FlatPlan",
     "FormatError",
     "OverlongPolicy",
     "OverlongResult",
@@ -57,6 +58,7 @@ __all__ = [
     "partition_balanced",
     "partition_round_robin",
     "plan_bins",
+    "plan_rows",
     "row_index_stats",
     "row_problems",
     "rows_per_batch_for",

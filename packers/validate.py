@@ -52,8 +52,10 @@ def row_problems(
         ),
     )
     flag(np.diff(sid_off) != np.diff(doc_off), "sample_ids and doc_lens differ in length")
-    doc_sum = np.add.reduceat(doc_lens, doc_off[:-1]) if doc_lens.size else np.zeros(n, np.int64)
-    doc_sum = np.where(np.diff(doc_off) > 0, doc_sum, 0)
+    # prefix sums, not reduceat: reduceat runs the last segment to the end of the values buffer,
+    # which is wrong for a zero-copy slice of a larger batch
+    doc_cum = np.concatenate(([0], np.cumsum(doc_lens)))
+    doc_sum = doc_cum[doc_off[1:]] - doc_cum[doc_off[:-1]]
     flag(
         doc_sum != num_tokens,
         lambda i: f"doc_lens sum to {doc_sum[i]}, num_tokens is {num_tokens[i]}",

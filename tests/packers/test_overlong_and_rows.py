@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import packers.rows as rows_mod
 from packers import apply_overlong, pack_table, padded_length, row_index_stats, row_problems
 
 
@@ -159,3 +160,88 @@ def test_row_problems_catches_each_breach():
     for what, batch in cases.items():
         msgs = row_problems(batch, seq_len=8, pad_multiple=4, pad_token_id=0)
         assert any(what in m for m in msgs), (what, msgs)
+
+
+def test_row_problems_on_a_zero_copy_slice():
+    batch, _ = pack_table(
+        _table([[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]),
+        seq_len=4,
+        pad_multiple=2,
+        pad_token_id=0,
+        algorithm="greedy",
+    )
+    for start in range(batch.num_rows):
+        for length in range(1, batch.num_rows - start + 1):
+            assert (
+                row_problems(batch.slice(start, length), seq_len=4, pad_multiple=2, pad_token_id=0)
+                == []
+            )
+
+
+def test_pack_table_on_sliced_columns_with_different_offsets():
+    """input_ids and loss_mask may come as slices whose offsets differ; rows must still match."""
+    ids = pa.array([[9, 9], [1, 2, 3], [4, 5]], type=pa.list_(pa.int32())).slice(1)
+    mask = pa.array([[True, False, True], [False, True]], type=pa.list_(pa.bool_()))
+    batch, _ = pack_table(
+        pa.table({"input_ids": ids, "loss_mask": mask}),
+        seq_len=8,
+        pad_multiple=4,
+        pad_token_id=0,
+        algorithm="greedy",
+    )
+    row = batch.to_pylist()[0]
+    assert row["input_ids"] == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert row["loss_mask"] == [True, False, True, False, True, False, False, False]
+    assert row["num_loss_tokens"] == 3
+
+
+def test_pack_table_rejects_mismatched_mask():
+    table = pa.table(
+        {
+            "input_ids": pa.array([[1, 2], [3]], type=pa.list_(pa.int32())),
+            "loss_mask": pa.array([[True, True], [True, False]]),
+        }
+    )
+    with pytest.raises(ValueError, match="row 1: loss_mask must have the length of input_ids"):
+        pack_table(table, seq_len=8, pad_multiple=4, pad_token_id=0)
+
+
+@pytest.mark.skipif(
+    rows_mod._native is None, reason="packers._native was not built (no C compiler at install)"
+)
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=40),
+    mult=st.sampled_from([1, 4, 8]),
+    with_mask=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_native_and_python_row_copy_agree(lens, mult, with_mask, seed):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(1, 1000, n).astype(np.int32) for n in lens]
+    masks = [rng.random(n) < 0.5 for n in lens] if with_mask else None
+    table = _table(seqs, masks)
+    native, _ = pack_table(table, seq_len=48, pad_multiple=mult, pad_token_id=5, overlong="split")
+    saved = rows_mod._native
+    rows_mod._native = None
+    try:
+        python, _ = pack_table(
+            table, seq_len=48, pad_multiple=mult, pad_token_id=5, overlong="split"
+        )
+    finally:
+        rows_mod._native = saved
+    assert native.equals(python)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=60), mult=st.sampled_from([1, 3, 8, 16])
+)
+def test_rows_without_source_mask_have_loss_on_every_token(lens, mult):
+    seqs = [np.full(n, 7, dtype=np.int32) for n in lens]
+    batch, _ = pack_table(_table(seqs), seq_len=48, pad_multiple=mult, pad_token_id=0)
+    assert row_problems(batch, seq_len=48, pad_multiple=mult, pad_token_id=0) == []
+    for row in batch.to_pylist():
+        n = row["num_tokens"]
+        assert row["loss_mask"] == [True] * n + [False] * (len(row["input_ids"]) - n)
+        assert row["num_loss_tokens"] == n
