@@ -340,12 +340,17 @@ def prepare(
     from packers import ShardDataset
 
     use_pipeline = pipeline and (REPO / "pipeline" / "pack.py").is_file()
+    info_path = out_dir / "data_info.json"
     info: dict[str, Any] = {
         "seq_len": seq_len,
         "pad_multiple": pad_multiple,
         "rows_target": rows,
         "workloads": {},
     }
+    if info_path.is_file():  # preparing some workloads again keeps the others' records
+        previous = json.loads(info_path.read_text())
+        if (previous.get("seq_len"), previous.get("pad_multiple")) == (seq_len, pad_multiple):
+            info["workloads"] = previous.get("workloads", {})
     for name in workloads:
         recs = build_records(name, rows, seq_len)
         algorithm = "greedy" if name == "long_greedy" else "bfd"
@@ -373,5 +378,5 @@ def prepare(
             "%s: %d samples -> %d rows, padding to seq_len %.2f%%, to x%d %.3f%%", name, len(recs), stats["pad8"]["rows"],
             100 * stats["padseq"]["padding_fraction"], pad_multiple, 100 * stats["pad8"]["padding_fraction"],
         )  # fmt: skip
-    (out_dir / "data_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
     return info

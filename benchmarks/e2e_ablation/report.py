@@ -65,6 +65,17 @@ def _fmt(x: float, spec: str) -> str:
     return format(x, spec) if x == x else "n/a"
 
 
+def _flops_line(w: dict[str, Any]) -> str:
+    """Model FLOPs per step executed by each arm (flops.py: padding included where it runs)."""
+    parts = []
+    for arm, f in sorted(w.get("flops_per_step", {}).items()):
+        parts.append(
+            f"arm {arm} {f['total'] / 1e12:.4g} T (LM head {f['lm_head'] / 1e12:.4g}, dense {f['dense'] / 1e12:.4g}, "
+            f"indexer {f['indexer'] / 1e12:.4g}, sparse attention {f['sparse_attention'] / 1e12:.4g})"
+        )
+    return "Model FLOPs per step: " + "; ".join(parts) + "." if parts else ""
+
+
 def workload_markdown(w: dict[str, Any], timed_from: int, steps: int) -> str:
     from benchmarks._results import markdown_table
 
@@ -94,6 +105,8 @@ def workload_markdown(w: dict[str, Any], timed_from: int, steps: int) -> str:
         "",
         markdown_table(headers, table),
         *([""] + [f"Arm {a['number']} FAILED: {a['error']}" for a in failed] if failed else []),
+        "",
+        _flops_line(w),
         "",
         f"Loss agreement: largest per-step spread across arms {lc['max_spread']:.2e} "
         f"({'within' if lc['passed'] else 'OUTSIDE'} {lc['tolerance']:.0e}).",

@@ -158,7 +158,7 @@ def run_workload(name: str, data_dir: Path, run: RunConfig, device: torch.device
     record = {
         "name": name, "rows_per_step": run.rows_per_step, "n_experts": run.model.n_experts, "steps_done": done,
         "stopped_early": stopped, "wall_s": time.monotonic() - t0,
-        "data": {**info, "description": WORKLOAD_INFO.get(name, name), "rows": run.rows_needed},
+        "data": {"description": WORKLOAD_INFO.get(name, name), **info, "rows": run.rows_needed},
         "arms": [r.record() for r in runs],
         "arm_data": {r.number: arm_summary(r.batches) for r in runs},
         "flops_per_step": _flops(run, runs),
@@ -245,9 +245,21 @@ def run_all(
             continue
         t0 = time.monotonic()
         log.info("workload %s: start", name)
-        result["workloads"].append(
-            run_workload(name, data_dir, run, device, attention, deadline, data_info.get(name, {}))
-        )
+        try:
+            record = run_workload(
+                name, data_dir, run, device, attention, deadline, data_info.get(name, {})
+            )
+        except (
+            RuntimeError,
+            ValueError,
+            OSError,
+        ) as e:  # one workload's failure must not lose the others
+            log.exception("workload %s failed", name)
+            result["notes"].append(f"workload {name} FAILED: {type(e).__name__}: {e}"[:2000])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        result["workloads"].append(record)
         result["elapsed_s"] = time.monotonic() - start
         write_outputs(result, out)
         log.info(
@@ -291,7 +303,8 @@ def prepare_smoke_data(root: Path, run: RunConfig) -> None:
             w.close({"samples_in": n, "samples_kept": n, "dropped": {}})
         info["workloads"][name] = {
             "samples": n,
-            "packer": "in-process packers.pack_table (bfd), synthetic ids",
+            "packer": "in-process packers.pack_table (bfd)",
+            "description": f"smoke toy data, random ids, documents of {lo}-{hi} tokens",
         }
     (root / "data_info.json").write_text(json.dumps(info))
 
@@ -398,7 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         log.error("no CUDA device: the full run needs the GPU (use --smoke on CPU)")
         return 2
-    run_all(run, args.data, args.out, workloads, args.deadline_s or None, torch.device("cuda"))
+    try:
+        run_all(run, args.data, args.out, workloads, args.deadline_s or None, torch.device("cuda"))
+    except Exception as e:  # record why in $OUT (the traceback is in e2e_run.log), then fail
+        log.exception("the GPU run failed")
+        (args.out / "e2e_error.txt").write_text(f"{type(e).__name__}: {e}\n")
+        raise
     return 0
 
 

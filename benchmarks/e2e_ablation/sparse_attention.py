@@ -104,7 +104,7 @@ def _scores(qn, qp, kc, kp, scale_log2, F32_DOT: tl.constexpr):
     return (_dot(qn, tl.trans(kc), F32_DOT) + _dot(qp, tl.trans(kp), F32_DOT)) * scale_log2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # one compile for every row length (no %16 variant)
 def _sparse_fwd_kernel(
     qn_ptr, qp_ptr, kc_ptr, kp_ptr, idx_ptr, nv_ptr, o_ptr, lse_ptr, scale_log2, S, TOPK,
     H: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, BLOCK: tl.constexpr, F32_DOT: tl.constexpr,
@@ -136,7 +136,7 @@ def _sparse_fwd_kernel(
     tl.store(lse_ptr + t * H + h, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _sparse_bwd_kernel(
     qn_ptr, qp_ptr, kc_ptr, kp_ptr, idx_ptr, nv_ptr, do_ptr, lse_ptr, delta_ptr,
     dqn_ptr, dqp_ptr, dkc_ptr, dkp_ptr, scale, scale_log2, S, TOPK,

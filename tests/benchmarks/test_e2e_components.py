@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -108,3 +109,21 @@ def test_fused_linear_cross_entropy_matches_full_logits() -> None:
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_triton_sparse_attention_on_gpu_bf16() -> None:
+    """The compiled kernels at the h200 preset's shapes (16 heads, 64 + 32 dims, top-2048)."""
+    from benchmarks.e2e_ablation.sparse_attention import self_check
+
+    ok, msg = self_check(
+        torch.device("cuda"),
+        torch.bfloat16,
+        h=16,
+        dc=64,
+        dr=32,
+        topk=2048,
+        s=2056,
+        docs=[1500, 500],
+    )
+    assert ok, msg

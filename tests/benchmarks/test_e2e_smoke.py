@@ -60,3 +60,18 @@ def test_smoke_arms_agree(tmp_path: Path) -> None:
     assert all(r["expert_slots_per_pair"] >= 1.0 for r in rows.values())  # capacity >= every load
     # arm 3 retuned for new row lengths, the fixed arm never did
     assert arms[3]["indexer"]["tunings"] > 1 and arms[4]["indexer"]["tunings"] == 0
+
+    # --append-results: the section lands in RESULTS.md with the run's own machine and command
+    import benchmarks._results as results_module
+    from benchmarks.e2e_ablation.report import TITLE, append_results_file
+
+    target = tmp_path / "RESULTS.md"
+    saved = results_module.RESULTS_MD
+    results_module.RESULTS_MD = target
+    try:
+        append_results_file(out / "e2e_results.json")
+    finally:
+        results_module.RESULTS_MD = saved
+    text = target.read_text()
+    assert f"## {TITLE}" in text and result["machine"] in text and "--smoke" in text
+    assert "| 3: pad to x8, autotuned indexer |" in text
