@@ -90,18 +90,29 @@ def start_ray(cfg: PackConfig) -> bool:
         return True
     root = str(Path(__file__).resolve().parents[1])  # workers import `pipeline` from a checkout too
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    start_local_ray(cfg.num_cpus)
+    return True
+
+
+def start_local_ray(num_cpus: int | None) -> None:
+    """A new local Ray (never an existing cluster found on this machine), robust to a busy box."""
+    import ray
+
+    # The raylet waits for its Python agents' ports (15 s by default) and aborts if they are late,
+    # which happens on a busy machine; give them two minutes (the user's setting wins).
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             ray.init(
                 address="local",
-                num_cpus=cfg.num_cpus,
+                num_cpus=num_cpus,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
             )
-            return True
+            return
         except Exception as e:  # Ray raises a bare Exception when its node does not come up
-            # The raylet gives its Python agents a fixed 15 s to start; on a loaded machine they
-            # can take longer. That is worth another try; anything else is not.
+            # Ray's driver gives the node 30 s to register; a loaded machine can miss that.
+            # That is worth another try; anything else is not.
             if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
                 raise
             log.warning(
@@ -110,7 +121,6 @@ def start_ray(cfg: PackConfig) -> bool:
                 RAY_START_ATTEMPTS,
             )
             ray.shutdown()
-    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
