@@ -18,9 +18,9 @@ The plan, per epoch `e`:
    micro-steps (row -1, zero cost), so every rank runs the same number of micro-steps and no
    collective hangs. ``balance="cost"`` uses `packers.partition_balanced` (LPT with a
    cardinality cap, then swaps) on `CostModel` costs. On the long-trajectory mix of
-   benchmarks/bench_stream.py (dp=4, rows packed at 32K) the largest rank is 1.2% over the
-   mean with 8 rows per rank per step (round-robin: 6.7%) and 0.15% with 16 (4.5%); with 2
-   rows per rank it is 12%, the optimum for pairs (more rows per step balance better, and a
+   benchmarks/bench_stream.py (dp=4, rows packed at 32K) the largest rank is 1.0% over the
+   mean with 4 rows per rank per step (round-robin: 8.6%) and 0.01% with 8 (6.3%); with 2
+   rows per rank it is 7%, the optimum for pairs (more rows per step balance better, and a
    trainer with gradient accumulation has them). It is never worse than round-robin: when
    the heuristic's largest load would exceed round-robin's, the round-robin split is used.
    ``balance="count"`` is plain round-robin in block order (what most loaders do).

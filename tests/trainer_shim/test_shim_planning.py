@@ -156,3 +156,21 @@ def test_identical_plans_in_separate_processes():
 def test_bad_plan_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StepPlanner(np.ones(10), **kwargs)
+
+
+def test_trainer_shim_imports_only_packers_and_torch():
+    """The house rule: trainer_shim never imports ray, the pipeline or the kernels."""
+    import ast
+    from pathlib import Path
+
+    import trainer_shim
+
+    for path in Path(trainer_shim.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in {"ray", "pipeline", "kernels"}, (
+                    f"{path.name} imports {name}"
+                )
