@@ -9,6 +9,7 @@ ranks got the same row, and that the meter counts every row once over the epoch.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import socket
 from pathlib import Path
 
@@ -134,13 +135,25 @@ def test_dp2_cp2_gloo(tmp_path: Path):
     )
     out = tmp_path / "out"
     out.mkdir()
-    # fork: the children inherit the imported torch and pyarrow (spawn re-imports them: ~10 s per rank here)
+    # forkserver with the heavy imports preloaded: the ranks fork from a clean server that has
+    # imported torch and pyarrow once (spawn re-imports them per rank, ~10 s each on 2 cores;
+    # plain fork would copy this pytest process, threads of earlier tests and all)
+    multiprocessing.set_forkserver_preload(
+        [
+            "torch.distributed",
+            "torch.distributed.device_mesh",
+            "pyarrow",
+            "pandas",
+            "pytest",
+            "trainer_shim.stream",
+        ]
+    )  # fmt: skip  (pandas: pyarrow imports it at the first to_numpy)
     mp.start_processes(
         worker,
         args=(str(url), free_port(), str(out)),
         nprocs=DP * CP,
         join=True,
-        start_method="fork",
+        start_method="forkserver",
     )
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(DP * CP)]
     n_rows, n_tokens = manifest["totals"]["rows"], manifest["totals"]["num_tokens"]
