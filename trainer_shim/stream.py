@@ -13,9 +13,10 @@ What happens, per rank:
    turned into row costs. Nothing else is read until iteration.
 2. A background thread walks the step plan (`planning.py`, identical on every rank) from the
    current position, takes this rank's rows a window at a time, reads them grouped by shard
-   (one `ShardDataset.read_rows` per shard: only the record batches holding the rows, every
+   (one `ShardDataset.read_rows_arrays` per shard: only the record batches holding the rows, every
    row checked against its checksum), shards in parallel over `read_threads` threads; with a
-   `cache_dir` whole shards are downloaded once, verified, and memory-mapped (`cache.py`).
+   `cache_dir` whole shards are downloaded once, verified, and memory-mapped (`reading.py`,
+   `cache.py`).
 3. It builds each micro-batch (labels, position ids, cu_seqlens, ks/ke, the CP chunk:
    `microbatch.py`), as CPU tensors, pinned when the device is CUDA, into a queue of at most
    `prefetch` micro-batches. The iterator takes from the queue and copies to the device with
@@ -35,7 +36,6 @@ import os
 import queue
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +47,10 @@ from trainer_shim.cache import ShardCache
 from trainer_shim.cp import CP_LAYOUTS, CpLayout, check_layout, row_divisor
 from trainer_shim.microbatch import TENSOR_KEYS, build_microbatch, filler_microbatch
 from trainer_shim.planning import BALANCES, Balance, Position, StepPlan, StepPlanner
+from trainer_shim.reading import Row, RowReader
 from trainer_shim.state import StreamState, check_resume
 
 log = logging.getLogger(__name__)
-
-ROW_COLUMNS = ["input_ids", "loss_mask", "doc_lens"]
 
 
 @dataclass(frozen=True)
@@ -191,7 +190,6 @@ class PackedShardStream:
         self.fingerprint = dataset_fingerprint(self.dataset)
         self.pad_token_id = int(self.dataset.config["pad_token_id"])
         self.pad_multiple = int(self.dataset.config["pad_multiple"])
-        self._shard_starts = self.dataset.shard_row_starts
         self._position = Position(0, 0, 0)
         self._micro_step = 0
         self._generation = 0
@@ -381,36 +379,36 @@ class PackedShardStream:
         self, start: Position, skip: int, q: queue.Queue[Any], stop: threading.Event
     ) -> None:
         window = max(self.config.prefetch, self.num_micro_steps, 1)
-        pool = (
-            ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="packshard-read")
-            if self.config.read_threads > 1
-            else None
+        reader = RowReader(
+            self.dataset,
+            cache=self.cache,
+            threads=self.config.read_threads,
+            verify=self.config.verify,
         )
         try:
             pending: list[tuple[StepPlan, int, int]] = []
             for item in self._work(start, skip):
                 pending.append(item)
                 if len(pending) >= window:
-                    if not self._emit(pending, q, stop, pool):
+                    if not self._emit(pending, q, stop, reader):
                         return
                     pending = []
-            if pending and not self._emit(pending, q, stop, pool):
+            if pending and not self._emit(pending, q, stop, reader):
                 return
             self._put(q, _END, stop)
         except BaseException as e:  # delivered to the consumer, in order
             self._put(q, _Failed(e), stop)
         finally:
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+            reader.close()
 
     def _emit(
         self,
         items: list[tuple[StepPlan, int, int]],
         q: queue.Queue[Any],
         stop: threading.Event,
-        pool: ThreadPoolExecutor | None,
+        reader: RowReader,
     ) -> bool:
-        rows = self._read([r for _, _, r in items if r >= 0], pool)
+        rows = reader.read([r for _, _, r in items if r >= 0])
         num_rows = self.dataset.num_rows
         for plan, k, r in items:
             if stop.is_set():
@@ -424,9 +422,7 @@ class PackedShardStream:
                 return False
         return True
 
-    def _microbatch(
-        self, row: int, data: tuple[np.ndarray, np.ndarray, np.ndarray] | None
-    ) -> dict[str, Any]:
+    def _microbatch(self, row: int, data: Row | None) -> dict[str, Any]:
         c = self.config
         if data is None:
             mb = filler_microbatch(
@@ -444,43 +440,6 @@ class PackedShardStream:
             t = torch.from_numpy(mb[k])
             mb[k] = t.pin_memory() if self._pin else t
         return mb
-
-    def _read(
-        self, rows: list[int], pool: ThreadPoolExecutor | None
-    ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Read global rows grouped by shard; {row: (input_ids, loss_mask, doc_lens)}."""
-        if not rows:
-            return {}
-        arr = np.asarray(rows, dtype=np.int64)
-        shard_of = np.searchsorted(self._shard_starts, arr, side="right") - 1
-        groups = {int(s): arr[shard_of == s] for s in np.unique(shard_of)}
-
-        def read_shard(shard: int) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-            local_rows = groups[shard] - self._shard_starts[shard]
-            if self.cache is not None:
-                with self.cache.lease(shard) as source:
-                    cols = source.read_rows_arrays(
-                        shard, local_rows, ROW_COLUMNS, verify=self.config.verify
-                    )
-            else:
-                cols = self.dataset.read_rows_arrays(
-                    shard, local_rows, ROW_COLUMNS, verify=self.config.verify
-                )
-            return {
-                int(g): row
-                for g, row in zip(
-                    groups[shard], zip(*(cols[c] for c in ROW_COLUMNS), strict=True), strict=True
-                )
-            }
-
-        out: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        if pool is None or len(groups) == 1:
-            for s in groups:
-                out.update(read_shard(s))
-        else:
-            for part in pool.map(read_shard, list(groups)):
-                out.update(part)
-        return out
 
     # ---- construction from the environment ------------------------------------------------------
 
