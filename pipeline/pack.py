@@ -9,12 +9,14 @@
 Under `ray job submit` (``RAY_ADDRESS`` set) it connects to that cluster; otherwise it starts a
 local Ray of ``--num-cpus`` CPUs (never joining another local cluster by accident).
 
-Steps: check the output is writable and what it holds (`jobstate`: fresh, resume, or already
-complete; a different config is refused unless ``--overwrite``); load the tokenizer once on the
-driver (its fingerprint goes into the manifest, and every worker must match it); list and count
-the inputs; write the plan; tokenize and pack on Ray (`scheduler`); commit with
-`packers.finalize_dataset` (index.arrow, then manifest.json last); print the summary and the
-dataset's stats. ``--demo`` packs `pipeline.demo`'s generated mix through the ``demo://`` input
+Steps: check the output is writable; list the inputs; load the tokenizer once on the driver
+(while the local Ray starts), check that packshard renders its chat template exactly like
+`apply_chat_template`, and ship it to the workers through the object store
+(`tokenizer_loading`: workers need neither the files nor the hub); compare the config with what
+the output holds (`jobstate`: fresh, resume, or already complete; a different config is
+refused unless ``--overwrite``); count the inputs; write the plan; tokenize and pack on Ray
+(`scheduler`); commit with `packers.finalize_dataset` (index.arrow, then manifest.json last);
+print the summary and the dataset's stats. ``--demo`` packs `pipeline.demo`'s generated mix through the ``demo://`` input
 (generated inside the tasks that read it, so it works on any cluster) with the built-in
 tokenizer, at seq_len 32768 and cp 8 unless given.
 
@@ -45,28 +47,38 @@ import os
 import signal
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 from packers import FormatError, ShardDataset, finalize_dataset, rows_per_batch_for, url_to_fs
+from packers.format import MANIFEST_NAME
+from pipeline.chat_template import check_renderer, hf_exact_render
 from pipeline.config import PackConfig, config_from_args
 from pipeline.jobstate import (
     OutputError,
+    OutputState,
     check_writable,
     inspect_output,
     remove_job_state,
     write_plan,
 )
-from pipeline.planning import block_records, sample_order
+from pipeline.planning import sample_order
 from pipeline.progress import JobProgress, format_summary
 from pipeline.readers import InputError, InputFile, resolve_inputs
-from pipeline.stats import dataset_stats, format_stats
-from pipeline.tokenization import (
-    SampleEncoder,
-    TokenizerError,
-    load_tokenizer,
-    pad_token_id_of,
-    tokenizer_fingerprint,
+from pipeline.scheduler import (
+    Interrupted,
+    JobError,
+    Scheduler,
+    StopFlag,
+    check_kept,
+    count_inputs,
+    merge_counters,
+    plan_blocks,
 )
+from pipeline.stats import dataset_stats, format_stats
+from pipeline.tasks import WorkSpec
+from pipeline.tokenization import SampleEncoder, TokenizerError, load_tokenizer, pad_token_id_of
 
 log = logging.getLogger("pipeline.pack")
 
@@ -148,174 +160,178 @@ def _digest(obj: Any) -> str:
     )
 
 
+@dataclass
+class DriverTokenizer:
+    """The tokenizer as the driver holds it: the encoder (for its payload and template checks),
+    the manifest's `tokenizer` entry, and the pad id."""
+
+    encoder: SampleEncoder | None
+    info: dict[str, str] | None
+    pad_token_id: int
+
+
+def prepare_tokenizer(cfg: PackConfig) -> DriverTokenizer:
+    """Load the tokenizer once, check that packshard renders its chat template exactly like
+    `apply_chat_template`, and that the loss roles exist in it."""
+    if cfg.tokenizer is None:
+        assert cfg.pad_token_id is not None  # PackConfig requires it without a tokenizer
+        return DriverTokenizer(None, None, cfg.pad_token_id)
+    tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code, cfg.tokenizer_revision)
+    encoder = SampleEncoder(tok, loss_roles=cfg.loss_roles, template_kwargs=cfg.template_kwargs)
+    if encoder.renderer is not None:
+        check_renderer(encoder.renderer, hf_exact_render(tok, cfg.template_kwargs))
+    if encoder.profile is not None and not set(cfg.loss_roles) & encoder.profile.roles:
+        raise TokenizerError(
+            f"--loss-roles {','.join(cfg.loss_roles)}: the chat template renders none of them"
+        )
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else pad_token_id_of(tok)
+    return DriverTokenizer(
+        encoder, {"name": cfg.tokenizer, "fingerprint": encoder.payload.fingerprint}, pad_id
+    )
+
+
 def run(cfg: PackConfig) -> int:
     """Run the job for a validated config (raises the errors `main` reports)."""
     import ray
 
-    from pipeline.scheduler import (
-        Scheduler,
-        StopFlag,
-        check_kept,
-        count_inputs,
-        merge_counters,
-        plan_blocks,
-    )
-    from pipeline.tasks import WorkSpec
-
     t0 = time.perf_counter()
+    phase = _Phases()
     try:
         fs, root = url_to_fs(cfg.output, cfg.storage_options)
     except (ValueError, ImportError) as e:
         raise OutputError(f"output {cfg.output!r}: {e}") from None
     check_writable(fs, root, cfg.output)
-    phase = _Phases()
-    tokenizer_info, pad_id = None, cfg.pad_token_id
-    if cfg.tokenizer is not None:
-        tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code, cfg.tokenizer_revision)
-        tokenizer_info = {"name": cfg.tokenizer, "fingerprint": tokenizer_fingerprint(tok)}
-        pad_id = pad_id if pad_id is not None else pad_token_id_of(tok)
-        encoder = SampleEncoder(tok, loss_roles=cfg.loss_roles, template_kwargs=cfg.template_kwargs)
-        if encoder.profile is not None and not set(cfg.loss_roles) & encoder.profile.roles:
-            raise TokenizerError(
-                f"--loss-roles {','.join(cfg.loss_roles)}: the chat template renders none of them"
-            )
-    assert pad_id is not None  # PackConfig requires --pad-token-id without a tokenizer
-    phase("loaded the tokenizer")
     files = resolve_inputs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
-    identity = [{"url": f.url, "bytes": f.size, "version": f.version} for f in files]
-    config = cfg.dataset_config(tokenizer=tokenizer_info, pad_token_id=pad_id, inputs=identity)
-    state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
-    if state.status == "complete":
-        print(
-            f"packshard pack: {cfg.output} already holds this dataset (same inputs and config); nothing to do"
-        )
-        print(_stats_text(cfg.output, cfg.storage_options))
-        return 0
-
-    started = start_ray(cfg)
-    phase("started / connected to Ray")
-    stop = StopFlag()
+    started = False
     try:
+        # Loading the tokenizer (~5 s with transformers' imports) overlaps Ray's start-up, unless
+        # a committed dataset is there: then the job may have nothing to do and no Ray is needed.
+        with ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(prepare_tokenizer, cfg)
+            if not fs.exists(f"{root}/{MANIFEST_NAME}"):
+                started = start_ray(cfg)
+            tokenizer = loading.result()
+        phase("loaded the tokenizer and started Ray")
+        identity = [{"url": f.url, "bytes": f.size, "version": f.version} for f in files]
+        config = cfg.dataset_config(
+            tokenizer=tokenizer.info, pad_token_id=tokenizer.pad_token_id, inputs=identity
+        )
+        state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
+        if state.status == "complete":
+            print(
+                f"packshard pack: {cfg.output} already holds this dataset (same inputs and config); nothing to do"
+            )
+            print(_stats_text(cfg.output, cfg.storage_options))
+            return 0
+        started = start_ray(cfg) or started
+        stop = StopFlag()
         with stop_on_signals(stop):
-            workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-            spec = WorkSpec(
-                output=cfg.output,
-                storage_options=dict(cfg.storage_options),
-                tokenizer=cfg.tokenizer,
-                tokenizer_fingerprint=tokenizer_info["fingerprint"] if tokenizer_info else None,
-                trust_remote_code=cfg.trust_remote_code,
-                tokenizer_revision=cfg.tokenizer_revision,
-                kind=cfg.kind,
-                columns=dict(cfg.columns),
-                loss_roles=cfg.loss_roles,
-                template_kwargs=dict(cfg.template_kwargs),
-                skip_bad_records=cfg.skip_bad_records,
-                seq_len=cfg.seq_len,
-                pad_multiple=cfg.pad_multiple,
-                pad_token_id=pad_id,
-                algorithm=cfg.algorithm,
-                overlong=cfg.overlong,
-                carry_rows=cfg.carry_rows,
-                rows_per_batch=rows_per_batch_for(cfg.seq_len),
-                config_digest="",
-            )
-            if state.status == "resume":
-                assert state.plan is not None
-                files = [InputFile.from_json(d) for d in state.plan["inputs"]]
-                log.info(
-                    "resuming the unfinished job in %s (%d shard markers)",
-                    cfg.output,
-                    len(state.markers),
-                )
-            else:
-                files = count_inputs(
-                    files,
-                    spec,
-                    workers,
-                    stop,
-                    lambda f: log.debug("counted %s: %d", f.url, f.records),
-                )
-            num_samples = sum(f.records for f in files)
-            phase(f"counted {len(files)} input files: {num_samples:,} records")
-            if num_samples == 0:
-                raise InputError(f"the inputs hold no records: {', '.join(cfg.inputs)}")
-            config["inputs"] = [
-                {**i, "records": f.records} for i, f in zip(identity, files, strict=True)
-            ]
-            spec = WorkSpec(**{**spec.__dict__, "config_digest": _digest(config)})
-            if state.status == "fresh":
-                write_plan(
-                    fs,
-                    root,
-                    {
-                        "config": config,
-                        "inputs": [f.to_json() for f in files],
-                        "num_samples": num_samples,
-                    },
-                )
-            kept = check_kept(state.markers, spec, stop) if state.markers else {}
-            blocks = plan_blocks(
-                files, block_records(num_samples, sum(f.size for f in files), workers)
-            )
-            progress = JobProgress(0, enabled=cfg.progress, kept_shards=len(kept))
-            scheduler = Scheduler(
-                spec=spec,
-                files=files,
-                blocks=blocks,
-                order=sample_order(num_samples, shuffle=cfg.shuffle, seed=cfg.seed),
-                kept=kept,
-                window_tokens=cfg.window_tokens,
-                shard_tokens=cfg.shard_tokens,
-                workers=workers,
-                stop=stop,
-                progress=progress,
-            )
-            progress.total = scheduler.samples_to_tokenize
-            try:
-                results = scheduler.run()
-            finally:
-                progress.close()
-            phase(
-                f"tokenized {progress.samples:,} samples and wrote {len(results) - len(kept)} shards"
-            )
-            ordered = [results[n] for n in sorted(results)]
-            if [r.plan.number for r in ordered] != list(range(len(ordered))):
-                raise AssertionError(f"shard numbers are not contiguous: {sorted(results)}")
-            merged = merge_counters(ordered)
-            totals = merged["totals"]
-            if totals["samples_in"] != num_samples:
-                raise AssertionError(
-                    f"shards account for {totals['samples_in']} samples of {num_samples}"
-                )
-            manifest = finalize_dataset(
-                fs,
-                root,
-                config,
-                [r.record for r in ordered],
-                totals,
-                extra={
-                    "skipped_examples": merged["examples"],
-                    "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3)},
-                },
-            )
-            remove_job_state(fs, root)
-            phase("committed index.arrow and manifest.json")
+            job = _pack(cfg, fs, root, files, tokenizer, config, state, stop, phase, t0)
     finally:
         if started:
             ray.shutdown()
     print(
         format_summary(
-            manifest,
+            job.manifest,
             url=cfg.output,
             seconds=time.perf_counter() - t0,
-            tokenized_tokens=progress.tokens,
-            workers=workers,
-            kept_shards=len(kept),
+            tokenized_tokens=job.tokens,
+            workers=job.workers,
+            kept_shards=job.kept,
         )
     )
     print()
     print(_stats_text(cfg.output, cfg.storage_options))
     return 0
+
+
+@dataclass
+class _Done:
+    manifest: dict[str, Any]
+    tokens: int
+    workers: int
+    kept: int
+
+
+def _pack(
+    cfg: PackConfig,
+    fs: Any,
+    root: str,
+    files: list[InputFile],
+    tokenizer: DriverTokenizer,
+    config: dict[str, Any],
+    state: OutputState,
+    stop: StopFlag,
+    phase: _Phases,
+    t0: float,
+) -> _Done:
+    """Count, plan, tokenize, pack, write and commit (Ray is up)."""
+    import ray
+
+    workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    payload = tokenizer.encoder.payload if tokenizer.encoder is not None else None
+    spec = WorkSpec(
+        output=cfg.output, storage_options=dict(cfg.storage_options),
+        tokenizer=ray.put(payload) if payload is not None else None,
+        tokenizer_fingerprint=payload.fingerprint if payload is not None else None,
+        kind=cfg.kind, columns=dict(cfg.columns), loss_roles=cfg.loss_roles,
+        template_kwargs=dict(cfg.template_kwargs), skip_bad_records=cfg.skip_bad_records,
+        seq_len=cfg.seq_len, pad_multiple=cfg.pad_multiple, pad_token_id=tokenizer.pad_token_id,
+        algorithm=cfg.algorithm, overlong=cfg.overlong, carry_rows=cfg.carry_rows,
+        rows_per_batch=rows_per_batch_for(cfg.seq_len), config_digest="",
+    )  # fmt: skip
+    if state.status == "resume":
+        assert state.plan is not None
+        files = [InputFile.from_json(d) for d in state.plan["inputs"]]
+        log.info(
+            "resuming the unfinished job in %s (%d shard markers)", cfg.output, len(state.markers)
+        )
+    else:
+        files = count_inputs(
+            files, spec, workers, stop, lambda f: log.debug("counted %s: %d", f.url, f.records)
+        )
+    num_samples = sum(f.records for f in files)
+    phase(f"counted {len(files)} input files: {num_samples:,} records")
+    if num_samples == 0:
+        raise InputError(f"the inputs hold no records: {', '.join(cfg.inputs)}")
+    config["inputs"] = [
+        {**i, "records": f.records} for i, f in zip(config["inputs"], files, strict=True)
+    ]
+    spec = replace(spec, config_digest=_digest(config))
+    if state.status == "fresh":
+        write_plan(
+            fs,
+            root,
+            {"config": config, "inputs": [f.to_json() for f in files], "num_samples": num_samples},
+        )
+    kept = check_kept(state.markers, spec, stop) if state.markers else {}
+    progress = JobProgress(0, enabled=cfg.progress, kept_shards=len(kept))
+    scheduler = Scheduler(
+        spec=spec, files=files, blocks=plan_blocks(files, workers),
+        order=sample_order(num_samples, shuffle=cfg.shuffle, seed=cfg.seed), kept=kept,
+        window_tokens=cfg.window_tokens, shard_tokens=cfg.shard_tokens, workers=workers, stop=stop, progress=progress,
+    )  # fmt: skip
+    progress.total = scheduler.samples_to_tokenize
+    try:
+        results = scheduler.run()
+    finally:
+        progress.close()
+    phase(f"tokenized {progress.samples:,} samples and wrote {len(results) - len(kept)} shards")
+    ordered = [results[n] for n in sorted(results)]
+    if [r.plan.number for r in ordered] != list(range(len(ordered))):
+        raise AssertionError(f"shard numbers are not contiguous: {sorted(results)}")
+    merged = merge_counters(ordered)
+    if merged["totals"]["samples_in"] != num_samples:
+        raise AssertionError(
+            f"shards account for {merged['totals']['samples_in']} samples of {num_samples}"
+        )
+    manifest = finalize_dataset(
+        fs, root, config, [r.record for r in ordered], merged["totals"],
+        extra={"skipped_examples": merged["examples"], "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3)}},
+    )  # fmt: skip
+    remove_job_state(fs, root)
+    phase("committed index.arrow and manifest.json")
+    return _Done(manifest, progress.tokens, workers, len(kept))
 
 
 class _Phases:
@@ -337,8 +353,6 @@ def _setup_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python pipeline/pack.py` and `packshard pack`; returns the exit status."""
-    from pipeline.scheduler import Interrupted, JobError
-
     _setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

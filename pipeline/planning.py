@@ -187,17 +187,19 @@ def window_sizes_for(
 
 
 def block_records(
-    total_records: int,
+    records: int,
+    size: int,
     total_bytes: int,
     workers: int,
     *,
     target_bytes: int = 8 << 20,
     stride: int = 1024,
 ) -> int:
-    """Records per tokenization block: ~`target_bytes` of input, and at least 4 blocks per
-    worker on small inputs (blocks only split the work; they never change the output)."""
-    if total_records <= 0:
+    """Records per tokenization block for one input file of `records` records and `size` bytes:
+    about `target_bytes` of input per block, and smaller on small jobs so every worker gets 4+
+    blocks (blocks only split the work; they never change the output)."""
+    if records <= 0:
         return 1
-    blocks = max(4 * max(1, workers), -(-max(total_bytes, 1) // target_bytes))
-    per = max(16, -(-total_records // blocks))
+    target = max(1, min(target_bytes, total_bytes // (4 * max(1, workers))))
+    per = max(1, round(target / max(1.0, size / records)))
     return -(-per // stride) * stride if per >= stride else per

@@ -150,7 +150,7 @@ def _resolve_one(
         raise InputError(f"input {spec!r}: permission denied ({e})") from None
     except OSError as e:
         raise InputError(f"input {spec!r}: cannot be listed ({type(e).__name__}: {e})") from None
-    if "://" not in spec and spec.count("/") == 1 and not spec.startswith((".", "/")):
+    if _looks_like_hub_name(spec):
         return _hub_dataset(spec, storage_options, split)
     raise InputError(f"input {spec!r} does not exist")
 
@@ -204,6 +204,16 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
     return [_file(fs, p, spec) for p in paths]
 
 
+def _looks_like_hub_name(spec: str) -> bool:
+    """`org/name` with no scheme, no leading ./ or /, and no file extension."""
+    return (
+        "://" not in spec
+        and spec.count("/") == 1
+        and not spec.startswith((".", "/"))
+        and "." not in spec.rsplit("/", 1)[1]
+    )
+
+
 def _hub_dataset(
     name: str, storage_options: Mapping[str, Any] | None, split: str
 ) -> list[InputFile]:
@@ -212,7 +222,9 @@ def _hub_dataset(
     try:
         fs, path = _fs(url, storage_options)
         paths = sorted(p for p in fs.find(path) if _format_of(p))
-    except (OSError, ImportError, ValueError) as e:
+    except (
+        Exception
+    ) as e:  # the hub client raises its HTTP library's errors (not OSError): report them
         raise InputError(
             f"input {name!r} is not a local path, and the Hugging Face hub dataset of that name cannot "
             f"be listed ({type(e).__name__}: {e}); check the name and network access"

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from pipeline.planning import ShardPlan, contributions, plan_shards
+from pipeline.planning import ShardPlan, block_records, contributions, plan_shards
 from pipeline.readers import InputFile, count_records
 from pipeline.tasks import (
     BlockMeta,
@@ -84,10 +84,13 @@ class Block:
         return self.first_id + self.size
 
 
-def plan_blocks(files: list[InputFile], per_block: int) -> list[Block]:
+def plan_blocks(files: list[InputFile], workers: int) -> list[Block]:
+    """Tokenization blocks: each file cut into runs of records of about the same input bytes."""
     blocks: list[Block] = []
     first = 0
+    total_bytes = sum(max(f.size, 1) for f in files)
     for fi, f in enumerate(files):
+        per_block = block_records(f.records, max(f.size, 1), total_bytes, workers)
         for start in range(0, f.records, per_block):
             stop = min(f.records, start + per_block)
             blocks.append(Block(len(blocks), fi, start, stop, first))

@@ -13,9 +13,9 @@ of them are idempotent, so a retry after a worker death redoes the same work:
   every row invariant), and only then writes its marker (`jobstate`).
 - `check_shard`: on resume, re-hashes a shard against its marker and rebuilds its index columns.
 
-The tokenizer is loaded once per worker process (`load_tokenizer` is cached), and its
-fingerprint must equal the driver's: a worker that sees other tokenizer files fails loudly
-instead of writing different tokens.
+Workers never load tokenizer files: the driver ships its tokenizer as a `TokenizerPayload`
+(through the object store, once), and each worker process builds its encoder from it once
+(`encoder_for` caches it by fingerprint), never per task.
 """
 
 from __future__ import annotations
@@ -37,13 +37,7 @@ from pipeline.jobstate import marker_path
 from pipeline.planning import ShardPlan, plan_shard_rows, window_sizes_for
 from pipeline.readers import InputFile, read_records
 from pipeline.samples import REASONS, BadRecord, Tokens, source_fields, to_sample
-from pipeline.tokenization import (
-    Encoded,
-    SampleEncoder,
-    TokenizerError,
-    load_tokenizer,
-    tokenizer_fingerprint,
-)
+from pipeline.tokenization import Encoded, SampleEncoder, TokenizerPayload
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +51,8 @@ class WorkSpec:
 
     output: str
     storage_options: Mapping[str, Any]
-    tokenizer: str | None
+    tokenizer: Any  # TokenizerPayload, a Ray ObjectRef to one, or None (pre-tokenized inputs only)
     tokenizer_fingerprint: str | None
-    trust_remote_code: bool
-    tokenizer_revision: str | None
     kind: str
     columns: Mapping[str, str]
     loss_roles: tuple[str, ...]
@@ -124,35 +116,23 @@ _ENCODERS: dict[str, SampleEncoder | None] = {}
 
 
 def encoder_for(spec: WorkSpec) -> SampleEncoder | None:
-    """This process's encoder for the spec (tokenizer loaded once per worker)."""
+    """This process's encoder for the spec (built once per worker from the driver's payload)."""
+    if spec.tokenizer is None:
+        return None
     key = json.dumps(
-        [
-            spec.tokenizer,
-            spec.trust_remote_code,
-            spec.tokenizer_revision,
-            spec.loss_roles,
-            spec.template_kwargs,
-        ],
+        [spec.tokenizer_fingerprint, spec.loss_roles, spec.template_kwargs],
         sort_keys=True,
         default=str,
     )
     if key not in _ENCODERS:
-        if spec.tokenizer is None:
-            _ENCODERS[key] = None
-        else:
-            tok = load_tokenizer(spec.tokenizer, spec.trust_remote_code, spec.tokenizer_revision)
-            fingerprint = tokenizer_fingerprint(tok)
-            if fingerprint != spec.tokenizer_fingerprint:
-                import socket
+        payload = spec.tokenizer
+        if not isinstance(payload, TokenizerPayload):
+            import ray
 
-                raise TokenizerError(
-                    f"on {socket.gethostname()} the tokenizer {spec.tokenizer!r} has fingerprint {fingerprint}, "
-                    f"the driver's has {spec.tokenizer_fingerprint}: every node must load the same tokenizer "
-                    "(use a hub name, a path on shared storage, or a path inside --working-dir)"
-                )
-            _ENCODERS[key] = SampleEncoder(
-                tok, loss_roles=spec.loss_roles, template_kwargs=spec.template_kwargs
-            )
+            payload = ray.get(payload)
+        _ENCODERS[key] = SampleEncoder(
+            payload, loss_roles=spec.loss_roles, template_kwargs=spec.template_kwargs
+        )
     return _ENCODERS[key]
 
 

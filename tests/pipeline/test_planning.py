@@ -156,7 +156,11 @@ def test_window_sizes_count_kept_samples_per_window():
     assert window_sizes_for((12, 15, 20), 10, kept) == [2, 1, 2]
 
 
-def test_block_records_gives_work_to_every_worker_and_strides_large_blocks():
-    assert block_records(100, 1000, 2) == 16
-    assert block_records(10_000_000, 10 << 30, 8) % 1024 == 0
-    assert block_records(0, 0, 1) == 1
+def test_block_records_follow_bytes_give_every_worker_work_and_stride():
+    # a small job: 4 blocks per worker, by bytes (a file of few huge records gets few per block)
+    assert block_records(100, 1000, 1000, 2) == 12
+    assert block_records(7, 2_000_000, 9_000_000, 2) == 4
+    # a big job: ~8 MiB blocks, whole seek strides
+    per = block_records(10_000_000, 10 << 30, 10 << 30, 8)
+    assert per % 1024 == 0 and abs(per * 1074 - (8 << 20)) < 1024 * 1074
+    assert block_records(0, 0, 0, 1) == 1

@@ -156,6 +156,7 @@ def test_demo_input_is_generated_where_it_is_read():
     ("spec", "match"),
     [
         ("/nonexistent/file.jsonl", "does not exist"),
+        ("data/missing.jsonl", "does not exist"),
         ("/nonexistent/*.jsonl", "matches no readable files"),
         ("README.md", "unsupported file type"),
     ],
@@ -191,3 +192,9 @@ def test_a_file_that_shrinks_after_counting_is_reported(tmp_path: Path):
     p.write_bytes(_jsonl(RECORDS[:3]))
     with pytest.raises(InputError, match="the file changed"):
         list(read_records(f, 0, f.records))
+
+
+def test_a_bare_hub_name_goes_to_the_hub_and_fails_clearly_offline(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InputError, match="hub dataset"):
+        resolve_inputs(["packshard-test-org/no-such-dataset"])

@@ -15,32 +15,18 @@ from pipeline.jobstate import marker_path
 from pipeline.planning import ShardPlan, contributions, plan_shards
 from pipeline.readers import count_records, resolve_inputs
 from pipeline.tasks import WorkSpec, check_shard, pack_shard, tokenize_block
-from pipeline.tokenization import load_tokenizer, tokenizer_fingerprint
+from pipeline.tokenization import SampleEncoder, load_tokenizer
 
 
 def _spec(out: Path, **kw) -> WorkSpec:
-    tok = load_tokenizer("packshard:demo")
+    payload = SampleEncoder(load_tokenizer("packshard:demo")).payload
     base = {
-        "output": str(out),
-        "storage_options": {},
-        "tokenizer": "packshard:demo",
-        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
-        "trust_remote_code": False,
-        "tokenizer_revision": None,
-        "kind": "auto",
-        "columns": {},
-        "loss_roles": ("assistant",),
-        "template_kwargs": {},
-        "skip_bad_records": True,
-        "seq_len": 256,
-        "pad_multiple": 8,
-        "pad_token_id": tok.pad_token_id,
-        "algorithm": "bfd",
-        "overlong": "truncate",
-        "carry_rows": 1,
-        "rows_per_batch": 16,
-        "config_digest": "sha256:test",
-    }
+        "output": str(out), "storage_options": {}, "tokenizer": payload,
+        "tokenizer_fingerprint": payload.fingerprint, "kind": "auto", "columns": {},
+        "loss_roles": ("assistant",), "template_kwargs": {}, "skip_bad_records": True, "seq_len": 256,
+        "pad_multiple": 8, "pad_token_id": payload.pad_token_id, "algorithm": "bfd",
+        "overlong": "truncate", "carry_rows": 1, "rows_per_batch": 16, "config_digest": "sha256:test",
+    }  # fmt: skip
     return WorkSpec(**{**base, **kw})
 
 

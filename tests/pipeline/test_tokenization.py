@@ -313,3 +313,29 @@ def test_tokenizer_loading_fingerprint_and_pad():
     assert pad_token_id_of(tok) == tok.pad_token_id
     with pytest.raises(TokenizerError, match="cannot load tokenizer '/nonexistent/tok'"):
         load_tokenizer("/nonexistent/tok")
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "qwen3", "phi-3-mini-instruct"])
+def test_workers_encode_from_the_payload_exactly_like_the_driver(shared_data: Path, name: str):
+    """Workers rebuild the tokenizer from the driver's payload (no files, no transformers
+    AutoTokenizer): same ids, masks and bad-record verdicts on every kind of sample."""
+    from pipeline.tokenizer_loading import TokenizerPayload
+
+    tok = load_tokenizer(str(shared_data / "tokenizers" / name))
+    driver = SampleEncoder(tok)
+    worker = SampleEncoder(TokenizerPayload.from_tokenizer(tok, name))
+    assert worker.payload.fingerprint == driver.payload.fingerprint == tokenizer_fingerprint(tok)
+    assert worker.profile == driver.profile
+    records = [r for recs in _records(shared_data).values() for r in recs[:40]]
+    with open(shared_data / "long_context/gutenberg/long_docs.jsonl") as f:
+        records += [{"text": json.loads(line)["text"]} for line in f][:2]
+    samples = [to_sample(r) for r in records] + [
+        PlainPromptCompletion("Question: 2+2?", " 4"),
+        Tokens([1, 2, 3]),
+    ]
+    for a, b in zip(driver.encode(samples), worker.encode(samples), strict=True):
+        if isinstance(a, BadRecord):
+            assert isinstance(b, BadRecord) and a.reason == b.reason
+        else:
+            assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask)
