@@ -7,15 +7,17 @@ TORCH ?= torch==2.13.0
 DEMO_OUT ?= demo_out
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean
+.PHONY: install demo test lint format clean
 
 $(STAMP): pyproject.toml Makefile packers/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
 	$(BIN)/pip install -q "$(TORCH)"
 	echo "$(TORCH)" > $(VENV)/constraints.txt
-	$(BIN)/uv pip install -q --python $(BIN)/python --constraint $(VENV)/constraints.txt -e '.[dev,s3]'
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python --constraint $(VENV)/constraints.txt -e '.[dev,s3]'
 	touch $@
+
+install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/packshard pack --demo --output $(DEMO_OUT) --overwrite

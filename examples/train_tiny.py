@@ -22,6 +22,7 @@ The shim's part is marked `# shim`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import sys
@@ -177,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compare step 0's loss with a per-document reference",
     )
+    p.add_argument(
+        "--report",
+        metavar="PREFIX",
+        help="write PREFIX.rankN.json: the rows this rank trained on, and (rank 0) the meter's totals",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -213,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # shim
 
     loss_sum, n_loss = torch.zeros(()), torch.zeros(())
+    rows_seen: list[int] = []
     for mb in stream:  # shim: this rank's micro-batches, in step order
+        rows_seen.append(int(mb["row"]))
         labels = torch.where(mb["labels"] >= 0, mb["labels"] % args.vocab_size, -100)
         logits = model(
             mb["input_ids"], mb["position_ids"], mb["ks"], mb["ke"], mb["padded_len"], cp
@@ -259,6 +267,17 @@ def main(argv: list[str] | None = None) -> int:
             meter.total_tokens,
             meter.mean_tokens_per_s,
         )
+    if args.report:
+        report = {
+            "rank": topo.rank,
+            "dp_rank": topo.dp_rank,
+            "cp_rank": topo.cp_rank,
+            "rows": rows_seen,
+        }
+        if topo.rank == 0:
+            report.update(steps=len(meter.history), trained_tokens=meter.total_tokens)
+        with open(f"{args.report}.rank{topo.rank}.json", "w") as f:
+            json.dump(report, f)
     stream.close()
     dist.destroy_process_group()
     return 0
