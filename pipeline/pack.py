@@ -67,12 +67,12 @@ from pipeline.planning import sample_order
 from pipeline.progress import JobProgress, format_summary
 from pipeline.readers import InputError, InputFile, resolve_inputs
 from pipeline.scheduler import (
+    InputCounter,
     Interrupted,
     JobError,
     Scheduler,
     StopFlag,
     check_kept,
-    count_inputs,
     merge_counters,
     plan_blocks,
 )
@@ -190,6 +190,12 @@ def prepare_tokenizer(cfg: PackConfig) -> DriverTokenizer:
     )
 
 
+def _cluster_cpus() -> int:
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
 def run(cfg: PackConfig) -> int:
     """Run the job for a validated config (raises the errors `main` reports)."""
     import ray
@@ -202,7 +208,7 @@ def run(cfg: PackConfig) -> int:
         raise OutputError(f"output {cfg.output!r}: {e}") from None
     check_writable(fs, root, cfg.output)
     files = resolve_inputs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
-    started = False
+    started, counter = False, None
     try:
         # Loading the tokenizer (~5 s with transformers' imports) overlaps Ray's start-up, unless
         # a committed dataset is there: then the job may have nothing to do and no Ray is needed.
@@ -210,6 +216,7 @@ def run(cfg: PackConfig) -> int:
             loading = pool.submit(prepare_tokenizer, cfg)
             if not fs.exists(f"{root}/{MANIFEST_NAME}"):
                 started = start_ray(cfg)
+                counter = InputCounter(files, cfg.storage_options, 2 * _cluster_cpus())  # meanwhile
             tokenizer = loading.result()
         phase("loaded the tokenizer and started Ray")
         identity = [{"url": f.url, "bytes": f.size, "version": f.version} for f in files]
@@ -226,8 +233,16 @@ def run(cfg: PackConfig) -> int:
         started = start_ray(cfg) or started
         stop = StopFlag()
         with stop_on_signals(stop):
-            job = _pack(cfg, fs, root, files, tokenizer, config, state, stop, phase, t0)
+            if state.status == "resume":  # the plan holds the counts
+                if counter is not None:
+                    counter.cancel()
+                counter = None
+            elif counter is None:
+                counter = InputCounter(files, cfg.storage_options, 2 * _cluster_cpus())
+            job = _pack(cfg, fs, root, counter, tokenizer, config, state, stop, phase, t0)
     finally:
+        if counter is not None:
+            counter.cancel()  # no-op once counted; stops counting when the job ends early
         if started:
             ray.shutdown()
     print(
@@ -257,7 +272,7 @@ def _pack(
     cfg: PackConfig,
     fs: Any,
     root: str,
-    files: list[InputFile],
+    counter: InputCounter | None,
     tokenizer: DriverTokenizer,
     config: dict[str, Any],
     state: OutputState,
@@ -268,7 +283,7 @@ def _pack(
     """Count, plan, tokenize, pack, write and commit (Ray is up)."""
     import ray
 
-    workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    workers = cfg.num_workers or _cluster_cpus()
     payload = tokenizer.encoder.payload if tokenizer.encoder is not None else None
     spec = WorkSpec(
         output=cfg.output, storage_options=dict(cfg.storage_options),
@@ -280,15 +295,13 @@ def _pack(
         algorithm=cfg.algorithm, overlong=cfg.overlong, carry_rows=cfg.carry_rows,
         rows_per_batch=rows_per_batch_for(cfg.seq_len), config_digest="",
     )  # fmt: skip
-    if state.status == "resume":
-        assert state.plan is not None
+    if counter is not None:
+        files = counter.result(stop)
+    else:
+        assert state.status == "resume" and state.plan is not None
         files = [InputFile.from_json(d) for d in state.plan["inputs"]]
         log.info(
             "resuming the unfinished job in %s (%d shard markers)", cfg.output, len(state.markers)
-        )
-    else:
-        files = count_inputs(
-            files, spec, workers, stop, lambda f: log.debug("counted %s: %d", f.url, f.records)
         )
     num_samples = sum(f.records for f in files)
     phase(f"counted {len(files)} input files: {num_samples:,} records")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,28 +133,40 @@ class StopFlag:
             raise Interrupted(self.signal_name)
 
 
-def count_inputs(
-    files: list[InputFile],
-    spec: WorkSpec,
-    workers: int,
-    stop: StopFlag,
-    on_done: Callable[[InputFile], None],
-) -> list[InputFile]:
-    """Files with their record counts (already-counted files pass through)."""
-    out = list(files)
-    todo = [i for i, f in enumerate(files) if f.records < 0]
-    pending: dict[Any, int] = {}
-    while todo or pending:
-        while todo and len(pending) < 2 * workers:
-            i = todo.pop(0)
-            pending[count_remote.remote(files[i], spec.storage_options)] = i
-        stop.check(list(pending))
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_S)
-        for ref in ready:
-            i = pending.pop(ref)
-            out[i] = _get(ref, f"reading {files[i].url}")
-            on_done(out[i])
-    return out
+class InputCounter:
+    """Counts the input files on Ray (one task per file, at most `max_in_flight` at once).
+    Counting needs no tokenizer, so the driver starts it as soon as Ray is up and loads the
+    tokenizer meanwhile."""
+
+    def __init__(self, files: list[InputFile], storage_options: Any, max_in_flight: int) -> None:
+        self.files = list(files)
+        self.storage_options = storage_options
+        self.max_in_flight = max(1, max_in_flight)
+        self.todo = [i for i, f in enumerate(files) if f.records < 0]
+        self.pending: dict[Any, int] = {}
+        self._submit()
+
+    def _submit(self) -> None:
+        while self.todo and len(self.pending) < self.max_in_flight:
+            i = self.todo.pop(0)
+            self.pending[count_remote.remote(self.files[i], self.storage_options)] = i
+
+    def result(self, stop: StopFlag) -> list[InputFile]:
+        """The files with their record counts (already-counted files pass through)."""
+        while self.todo or self.pending:
+            self._submit()
+            stop.check(list(self.pending))
+            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=WAIT_S)
+            for ref in ready:
+                i = self.pending.pop(ref)
+                self.files[i] = _get(ref, f"reading {self.files[i].url}")
+        return self.files
+
+    def cancel(self) -> None:
+        for ref in self.pending:
+            ray.cancel(ref, force=True)
+        self.pending.clear()
+        self.todo.clear()
 
 
 def check_kept(

@@ -1,0 +1,190 @@
+"""The pack job against a real Ray cluster this module starts (`ray start --head --block` on its
+own ports and temp dir, stopped by its pid at the end):
+
+- `ray job submit --working-dir . -- python pipeline/pack.py ...` succeeds and the dataset verifies;
+- a job stopped by SIGTERM (what `ray job stop` sends) and then killed by SIGKILL (a crash),
+  rerun with the same command, gives the very bytes of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.verify import verify_dataset
+from tests.integration._procs import (
+    BIN,
+    REPO,
+    kill_processes_using,
+    pack_env,
+    ray_tmpdir,
+    start,
+    stop_group,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _jobs_api_up(address: str, env: dict[str, str]) -> bool:
+    r = subprocess.run(
+        [str(BIN / "ray"), "job", "list", "--address", address],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    return r.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """(dashboard address, GCS address, environment) of a 2-CPU head."""
+    log = tmp_path_factory.mktemp("head") / "head.log"
+    with ray_tmpdir() as rt:
+        # Ray >= 2.50 protects a cluster started by `ray start` with a token; give it ours, so the
+        # jobs CLI and the drivers can authenticate (nothing is read from or written to ~/.ray).
+        env = pack_env(rt, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        gcs, dash = _free_port(), _free_port()
+        head = start(
+            [
+                str(BIN / "ray"),
+                "start",
+                "--head",
+                "--block",
+                "--port",
+                str(gcs),
+                "--dashboard-host",
+                "127.0.0.1",
+                "--dashboard-port",
+                str(dash),
+                "--include-dashboard",
+                "true",
+                "--num-cpus",
+                "2",
+                "--temp-dir",
+                rt,
+                "--disable-usage-stats",
+            ],
+            env,
+            log,
+        )
+        address = f"http://127.0.0.1:{dash}"
+        try:
+            deadline = time.monotonic() + 240
+            while not _jobs_api_up(address, env):
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(
+                        "the Ray head did not come up:\n" + log.read_text()[-3000:]
+                    )
+                time.sleep(1)
+            yield address, f"127.0.0.1:{gcs}", env
+        finally:
+            head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+            try:
+                head.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                head.kill()
+            kill_processes_using(rt)  # anything of this head's temp dir that outlived it
+
+
+def test_job_submit_runs_the_pack_job_on_the_cluster(cluster, tmp_path: Path):
+    address, _, env = cluster
+    out = tmp_path / "out"
+    cmd = [
+        str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--",
+        "python", "pipeline/pack.py", "--input", "demo://?num_math=300&num_trajectories=3",
+        "--tokenizer", "packshard:demo", "--output", str(out), "--seq-len", "8192", "--cp", "8",
+        "--window", "4", "--shard-tokens", "60000", "--no-progress",
+    ]  # fmt: skip
+    for _ in range(30):  # the head's job agent registers a little after the jobs API answers
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent to submit job" not in r.stderr:
+            break
+        time.sleep(2)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "packshard pack: committed" in r.stdout and "succeeded" in r.stdout
+    assert verify_dataset(str(out)) == []
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["totals"]["samples_in"] == 303 and len(m["shards"]) >= 2
+
+
+RESUME_ARGS = [
+    "--input",
+    "demo://?num_math=1200&num_trajectories=12",
+    "--tokenizer",
+    "packshard:demo",
+]
+RESUME_ARGS += ["--seq-len", "16384", "--cp", "8", "--window", "1", "--shard-tokens", "30000"]
+
+
+def _pack_cmd(out: Path, workers: int) -> list[str]:
+    return [
+        sys.executable,
+        "pipeline/pack.py",
+        *RESUME_ARGS,
+        "--num-workers",
+        str(workers),
+        "--output",
+        str(out),
+    ]
+
+
+def _markers(out: Path) -> int:
+    d = out / "_packshard" / "shards"
+    return len(list(d.glob("part-*.json"))) if d.is_dir() else 0
+
+
+def _fingerprint(out: Path) -> list[str]:
+    m = json.loads((out / "manifest.json").read_text())
+    return [s["checksum"] for s in m["shards"]] + [m["index"]["checksum"]]
+
+
+def test_stop_and_crash_then_rerun_gives_the_uninterrupted_dataset(cluster, tmp_path: Path):
+    _, gcs, env = cluster
+    env = {**env, "RAY_ADDRESS": gcs}  # as under `ray job submit`: the driver joins the cluster
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    proc = start(_pack_cmd(ref, workers=2), env, tmp_path / "ref.log")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+
+    # 1. `ray job stop` sends SIGTERM: the job cancels its tasks and exits 143, resumable
+    proc = start(_pack_cmd(out, workers=1), env, tmp_path / "a.log")
+    wait_for(lambda: _markers(out) >= 2, 600, "two shards", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    log = (tmp_path / "a.log").read_text()
+    assert "stopped by SIGTERM" in log and "Run the same command again" in log
+    assert not (out / "manifest.json").exists()
+    first = _markers(out)
+
+    # 2. a crash: SIGKILL of the driver process group, after more shards
+    proc = start(_pack_cmd(out, workers=1), env, tmp_path / "b.log")
+    wait_for(lambda: _markers(out) >= first + 2, 600, "two more shards", proc)
+    stop_group(proc, signal.SIGKILL)
+    assert not (out / "manifest.json").exists()
+
+    at_kill = _markers(out)
+
+    # 3. the same command again finishes the job, keeping what was verified
+    proc = start(_pack_cmd(out, workers=1), env, tmp_path / "c.log")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "c.log").read_text()[-3000:]
+    log = (tmp_path / "c.log").read_text()
+    kept = re.search(r"kept (\d+) verified shards", log)
+    assert kept and int(kept.group(1)) >= at_kill >= first + 2, log[-2000:]
+    assert _fingerprint(out) == _fingerprint(ref)
+    assert verify_dataset(str(out)) == []
+    assert not (out / "_packshard").exists()
