@@ -1,24 +1,34 @@
-"""Configuration of the end-to-end padding ablation: the model, the run, and the four arms.
+"""Configuration of the end-to-end padding ablation: the model, the run, and the five arms.
 
-Two presets. `h200` is what the device call runs (one H200, ~4-6 minutes for both workloads);
-`smoke` is the same code at toy sizes for CPU (the test in tests/benchmarks runs it).
+Two presets. `h200` is what the device call runs (one H200, ~5.5 minutes for three workloads
+under a 360 s deadline); `smoke` is the same code at toy sizes for CPU (the test in
+tests/benchmarks runs it).
 
 The h200 model (README.md has the FLOPs and why): 4 layers, d_model 1024, the Qwen2.5
-vocabulary (151,936 rows, tied embeddings), MLA-style attention run as MQA the way DSA runs
+vocabulary (151,936 rows, separate LM head), MLA-style attention run as MQA the way DSA runs
 it (q from a 512-d latent, 16 heads, one shared 64-d latent key/value plus a 32-d RoPE key),
 a lightning indexer of 32 heads x 128 selecting the top 2048 keys per query, and an MoE FFN
-of 16 experts (top-2, SwiGLU 2048). About 0.58 B parameters, 0.14 B active per token plus the
-0.16 B LM head.
+of 16 experts (top-2, SwiGLU 2048). About 0.73 B parameters, 0.07 B active per token plus the
+0.16 B LM head. DeepSeek-V3 routing (sigmoid affinities, a selection bias balanced every step
+over all tokens fed); token embeddings scaled by sqrt(d_model) on the way in.
 
-Arms (`ARMS`): what differs is only how a row is padded and which indexer launches run.
+The learning rate is 3e-5, a fine-tuning rate (this ablation is about post-training): at 3e-4
+a router trained from scratch collapses onto one or two experts within 4-8 steps whatever
+balances it (CPU runs in README.md), which would make the MoE cost the same in every arm.
+
+Arms (`ARMS`): what differs is only how a row is padded and which indexer launches run; arm 5
+(4') is arm 4 run again, the run-to-run control for the loss comparison.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-ArmName = Literal["pad_seq_token0", "pad_seq_own_tokens", "pad8_autotuned", "pad8_fixed"]
+ArmName = Literal[
+    "pad_seq_token0", "pad_seq_own_tokens", "pad8_autotuned", "pad8_fixed", "pad8_fixed_control"
+]
 AttentionImpl = Literal["auto", "triton", "torch"]
 IndexerImpl = Literal["kernel", "reference"]
 
@@ -33,6 +43,7 @@ class Arm:
     pad_to_seq_len: bool  # rows come from the dataset packed with --pad-multiple seq_len
     own_token_padding: bool  # replace the pad tokens by the row's own tokens (loss-masked)
     autotuned_indexer: bool  # retune the indexer for every new row length
+    control_of: int | None = None  # a rerun of that arm (same data, init and code): the noise floor
 
 
 ARMS: tuple[Arm, ...] = (
@@ -40,6 +51,7 @@ ARMS: tuple[Arm, ...] = (
     Arm(2, "pad_seq_own_tokens", "2: pad to seq_len, own tokens", True, True, False),
     Arm(3, "pad8_autotuned", "3: pad to x8, autotuned indexer", False, False, True),
     Arm(4, "pad8_fixed", "4: pad to x8, fixed indexer (packshard)", False, False, False),
+    Arm(5, "pad8_fixed_control", "4': arm 4 again (control)", False, False, False, control_of=4),
 )
 ARM_BY_NUMBER = {a.number: a for a in ARMS}
 
@@ -62,6 +74,8 @@ class ModelConfig:
     expert_topk: int = 2
     expert_dim: int = 2048
     capacity_multiple: int = 128  # expert buffers are padded to the max load, rounded up to this
+    scale_embedding: bool = True  # x = embed[ids] * sqrt(d_model) (Vaswani et al., T5, Gemma)
+    tie_embeddings: bool = False  # LM head = embedding (with scaling, loss ~19 at step 1: model.py)
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -90,6 +104,11 @@ class ModelConfig:
             )
 
     @property
+    def embed_multiplier(self) -> float:
+        """What the embedding rows are multiplied by on the way in."""
+        return math.sqrt(self.d_model) if self.scale_embedding else 1.0
+
+    @property
     def head_dim(self) -> int:
         """Per-head query/key width: latent part + RoPE part."""
         return self.kv_dim + self.rope_dim
@@ -105,15 +124,17 @@ class RunConfig:
     steps: int = 20
     timed_from: int = 5  # steps timed_from..steps (1-based) are summed
     seed: int = 0
-    lr: float = 3e-4
+    lr: float = 3e-5
     warmup_steps: int = 5
     weight_decay: float = 0.1
+    router_bias_rate: float = 1e-3  # DeepSeek-V3's bias update per step (moe.py)
+    router_aux_weight: float = 0.0  # weight of the sequence-wise balance loss (V3: 1e-4), 0 = off
     grad_clip: float = 1.0
-    ce_chunk: int = 4096  # tokens per LM-head chunk of the fused cross entropy
+    ce_chunk: int = 8192  # tokens per LM-head chunk of the fused cross entropy
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     attention: AttentionImpl = "auto"
     indexer: IndexerImpl = "kernel"
-    arms: tuple[int, ...] = (1, 2, 3, 4)
+    arms: tuple[int, ...] = (1, 2, 3, 4, 5)
     loss_tolerance: float = 1e-3
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -149,6 +170,7 @@ SMOKE = RunConfig(
     timed_from=5,
     lr=1e-3,
     warmup_steps=2,
+    router_bias_rate=0.0,  # fp32 arms must agree exactly; the bias step has its own test
     ce_chunk=96,
     dtype="float32",
     attention="torch",

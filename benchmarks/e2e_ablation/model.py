@@ -1,6 +1,8 @@
 """A small DSA-style MoE causal LM in plain PyTorch, trained by every arm of the ablation.
 
-Per layer (pre-norm, residual stream in fp32, matmuls in the compute dtype, bf16 on the GPU):
+Embedding rows are scaled by sqrt(d_model) on the way in and the LM head is a separate matrix
+(DSAModel's docstring says why). Per layer (pre-norm, residual stream in fp32, matmuls in the
+compute dtype, bf16 on the GPU):
 
     c_q  = norm(x W_dq)                                q latent (MLA's q_lora_rank)
     q    = c_q W_uq -> [S, H, kv_dim + rope_dim]       RoPE on the last rope_dim
@@ -19,9 +21,10 @@ Documents: the indexer only ranks keys in [ks[t], ke[t]) (the query's document, 
 attention is document-causal without any mask tensor; a query with an empty range (packshard's
 padding) attends to nothing and outputs zeros.
 
-Loss: `fused_linear_cross_entropy` computes the LM head, the loss and both gradients chunk by
-chunk in the forward (Liger-style), so the [S, 151,936] logits never exist whole and nothing
-is recomputed; 3 matmuls per token instead of 4 with checkpointing.
+Loss: `loss.fused_linear_cross_entropy` computes the LM head, the loss and both gradients chunk
+by chunk in the forward (Liger-style), so the [S, 151,936] logits never exist whole and nothing
+is recomputed; on the GPU a Triton kernel turns each bf16 logits chunk into loss and gradient
+in place. MoE: DeepSeek-V3 routing, dropless, cost set by the busiest expert (moe.py).
 """
 
 from __future__ import annotations
@@ -35,10 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.e2e_ablation.config import ModelConfig
+from benchmarks.e2e_ablation.loss import fused_linear_cross_entropy
 from benchmarks.e2e_ablation.moe import MoE
 from benchmarks.e2e_ablation.sparse_attention import IMPLEMENTATIONS
-
-IGNORE_INDEX = -100
 
 
 class IndexerFn(Protocol):
@@ -54,8 +56,8 @@ class IndexerFn(Protocol):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    """RMSNorm computed in fp32 (torch's fused kernel), returned in x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
 def rope_tables(
@@ -76,42 +78,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     c, s = cos.view(shape), sin.view(shape)
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-
-class _FusedLinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, labels, norm, chunk):  # type: ignore[override]
-        w = weight.to(h.dtype)
-        grad_h = torch.zeros_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for c0 in range(0, h.shape[0], chunk):
-            hc, yc = h[c0 : c0 + chunk], labels[c0 : c0 + chunk]
-            logits = (hc @ w.t()).float()
-            valid = yc != IGNORE_INDEX
-            safe = torch.where(valid, yc, torch.zeros_like(yc))
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            total += torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-            g = torch.softmax(logits, dim=-1)
-            g.scatter_add_(1, safe[:, None], -torch.ones_like(picked)[:, None])
-            g = (g * (valid.float() / norm)[:, None]).to(h.dtype)
-            grad_h[c0 : c0 + chunk] = g @ w
-            grad_w += (g.t() @ hc).float()
-        ctx.save_for_backward(grad_h, grad_w)
-        return total / norm
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out, None, None, None
-
-
-def fused_linear_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, norm: float, chunk: int
-) -> torch.Tensor:
-    """sum over positions with a label of CE(h @ weight.T, label), divided by `norm`."""
-    return _FusedLinearCE.apply(h, weight, labels, float(norm), int(chunk))
 
 
 class Block(nn.Module):
@@ -146,7 +112,7 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ks: torch.Tensor, ke: torch.Tensor,
-        indexer: IndexerFn, attention: Callable[..., torch.Tensor], dtype: torch.dtype,
+        indexer: IndexerFn, attention: Callable[..., torch.Tensor], dtype: torch.dtype, n_real: int,
     ) -> torch.Tensor:  # fmt: skip
         cfg = self.cfg
         s = x.shape[0]
@@ -171,7 +137,7 @@ class Block(nn.Module):
             scale,
         )
         x = x + F.linear(o.reshape(s, -1), self.w_o.to(dtype)).float()
-        return x + self.moe(rms_norm(x, self.norm_ffn, cfg.norm_eps).to(dtype)).float()
+        return x + self.moe(rms_norm(x, self.norm_ffn, cfg.norm_eps).to(dtype), n_real).float()
 
     def _select(
         self, c_q: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ks: torch.Tensor, ke: torch.Tensor,
@@ -188,34 +154,60 @@ class Block(nn.Module):
 
 
 class DSAModel(nn.Module):
-    """Embedding (tied with the LM head), `n_layers` DSA blocks, final norm."""
+    """Embedding, `n_layers` DSA blocks, final norm, LM head (tied to the embedding or not).
+
+    Untied by default: the input rows are scaled by sqrt(d_model) so that the residual stream
+    carries the token (what balances the router at step 1), and a tied head would then score
+    every position's own input token ~20 logits up (loss ~19 at step 1, not ~12)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.init_std)
+        )
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_out = nn.Parameter(torch.ones(cfg.d_model))
 
     def forward(
         self, batch: dict[str, torch.Tensor], *, loss_norm: float, indexer: IndexerFn, attention: str, dtype: torch.dtype,
-        ce_chunk: int,
+        ce_chunk: int, ce_triton: bool = False, n_real: int | None = None, with_grad: bool = True,
     ) -> torch.Tensor:  # fmt: skip
-        """Summed CE over the row's labelled positions divided by `loss_norm` (a scalar)."""
+        """Summed CE over the row's labelled positions divided by `loss_norm` (a scalar).
+
+        `n_real`: the row's true tokens (the first n_real positions; default all), for the MoE's
+        real-token statistics only. `with_grad=False` computes the loss alone (no LM-head
+        gradients), for evaluation under torch.no_grad()."""
         ids, labels = batch["input_ids"], batch["labels"]
+        n_real = ids.shape[0] if n_real is None else n_real
         rope = rope_tables(batch["position_ids"], self.cfg.rope_dim, self.cfg.rope_theta)
         attn = IMPLEMENTATIONS[attention]
-        x = F.embedding(ids, self.embed).float()
+        x = F.embedding(ids, self.embed).float() * self.cfg.embed_multiplier
         for block in self.blocks:
-            x = block(x, rope, batch["ks"], batch["ke"], indexer, attn, dtype)
+            x = block(x, rope, batch["ks"], batch["ke"], indexer, attn, dtype, n_real)
         h = rms_norm(x, self.norm_out, self.cfg.norm_eps).to(dtype)
-        return fused_linear_cross_entropy(h, self.embed, labels, loss_norm, ce_chunk)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return fused_linear_cross_entropy(
+            h, head, labels, loss_norm, ce_chunk, use_triton=ce_triton, with_grad=with_grad
+        )
 
-    def moe_loads(self) -> list[tuple[int, float, int]]:
-        """(max load, mean load, capacity) of each layer's last MoE call."""
-        return [
-            (b.moe.last_max_load, b.moe.last_mean_load, b.moe.last_capacity) for b in self.blocks
-        ]
+    def moe_stats(self) -> list[list[torch.Tensor]]:
+        """Per layer, the [2, E] host loads (all tokens, real tokens) of every MoE call since the
+        last call of this method."""
+        return [b.moe.take_stats() for b in self.blocks]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum over layers of the MoE balance losses of the last forward (None without grad)."""
+        terms = [b.moe.aux_loss for b in self.blocks if b.moe.aux_loss is not None]
+        return torch.stack(terms).sum() if terms else None
+
+    def update_router_biases(self, rate: float) -> None:
+        """DeepSeek-V3's bias step in every layer (after the optimizer step)."""
+        for b in self.blocks:
+            b.moe.update_bias(rate)
 
 
 def count_parameters(model: DSAModel) -> dict[str, int]:
@@ -224,10 +216,12 @@ def count_parameters(model: DSAModel) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     experts = sum(b.moe.w_in.numel() + b.moe.w_out.numel() for b in model.blocks)
-    active = total - model.embed.numel() - experts + experts * cfg.expert_topk // cfg.n_experts
+    head = model.embed if model.lm_head is None else model.lm_head
+    lookup = 0 if model.lm_head is None else model.embed.numel()
+    active = total - lookup - head.numel() - experts + experts * cfg.expert_topk // cfg.n_experts
     return {
         "total": total,
         "trained": trained,
         "active_per_token_ex_head": active,
-        "lm_head": model.embed.numel(),
+        "lm_head": head.numel(),
     }

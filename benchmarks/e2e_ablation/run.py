@@ -12,8 +12,10 @@
 The GPU run writes e2e_results.json (everything, including the RESULTS.md section under
 "markdown"), e2e_results.md, e2e_step_times.png and e2e_run.log into --out, after every
 workload, so a run stopped by its deadline or a timeout still returns what it finished.
-Workloads run in the order given (default long, math, long_greedy). --deadline-s (from the
-process start) stops a workload after the step in progress and skips the ones not started.
+Workloads run in the order given (default long_greedy, long, math: the most telling first).
+--deadline-s (from the process start, default 360) starts no step that would end past it (the
+last interleaved step's duration is the estimate), skips workloads not started, and keeps a
+few seconds to write the results.
 See README.md beside this file for the model, FLOPs, seq_len choice and device command.
 """
 
@@ -70,7 +72,7 @@ def _model_summary(run: RunConfig) -> str:
     m = run.model
     w = per_token_weights(m)
     return (
-        f"{m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size} (tied), MQA sparse attention {m.n_heads} heads x "
+        f"{m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size} ({'tied' if m.tie_embeddings else 'untied'}, input x sqrt(d)), MQA sparse attention {m.n_heads} heads x "
         f"({m.kv_dim} latent + {m.rope_dim} RoPE), indexer {m.index_heads} x {m.index_dim} top-{m.index_topk}, MoE "
         f"{m.n_experts} experts top-{m.expert_topk} x SwiGLU {m.expert_dim}; {w['dense'] / 1e6:.0f}M dense + "
         f"{w['lm_head'] / 1e6:.0f}M LM-head weights per token"
@@ -86,9 +88,12 @@ def _indexer_for(arm_number: int, run: RunConfig) -> Any:
     return make_indexer("autotuned" if tuned else "fixed")
 
 
-def self_checks(run: RunConfig, device: torch.device) -> tuple[str, dict[str, str]]:
-    """Check the fixed indexer against the reference and pick the sparse-attention kernel."""
+def self_checks(run: RunConfig, device: torch.device) -> tuple[Any, dict[str, str]]:
+    """Check the fixed indexer against the reference and pick the sparse-attention and
+    cross-entropy kernels (Triton where its self-check passes, else torch)."""
+    from benchmarks.e2e_ablation.loss import self_check as ce_self_check
     from benchmarks.e2e_ablation.sparse_attention import self_check
+    from benchmarks.e2e_ablation.train import Impl
 
     checks: dict[str, str] = {}
     m = run.model
@@ -137,11 +142,23 @@ def self_checks(run: RunConfig, device: torch.device) -> tuple[str, dict[str, st
         if not ok:
             log.warning("sparse attention falls back to the torch reference: %s", msg)
     checks["sparse_attention_impl"] = impl
-    return impl, checks
+    ce_triton = False
+    if device.type == "cuda":
+        ce_triton, msg = ce_self_check(device, getattr(torch, run.dtype), vocab=m.vocab_size)
+        checks["cross_entropy"] = msg
+        if not ce_triton:
+            log.warning("the cross entropy falls back to torch: %s", msg)
+    checks["cross_entropy_impl"] = "triton" if ce_triton else "torch"
+    return Impl(attention=impl, ce_triton=ce_triton), checks
 
 
-def run_workload(name: str, data_dir: Path, run: RunConfig, device: torch.device, attention: str, deadline: float | None,
-                 info: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+RESERVE_S = 8.0  # kept before the deadline: the same-weights check and writing the results
+MIN_WORKLOAD_S = 45.0  # a workload is not started with less time left (a few timed steps at least)
+
+
+def run_workload(name: str, data_dir: Path, run: RunConfig, device: torch.device, impl: Any, deadline: float | None,
+                 info: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:  # fmt: skip
+    """Train every arm on this workload; returns its record and arm 4's longest row (tensors)."""
     from benchmarks.e2e_ablation.arms import arm_summary, build_arms
     from benchmarks.e2e_ablation.train import build_base_model, make_arm, train_interleaved
 
@@ -154,20 +171,43 @@ def run_workload(name: str, data_dir: Path, run: RunConfig, device: torch.device
     ]
     del base
     t0 = time.monotonic()
-    done, stopped = train_interleaved(runs, run, device, attention, deadline=deadline)
+    done, stopped = train_interleaved(
+        runs, run, device, impl, deadline=deadline, reserve_s=RESERVE_S
+    )
+    same = _same_weights(runs, done, run, device, impl)
     record = {
         "name": name, "rows_per_step": run.rows_per_step, "n_experts": run.model.n_experts, "steps_done": done,
         "stopped_early": stopped, "wall_s": time.monotonic() - t0,
         "data": {"description": WORKLOAD_INFO.get(name, name), **info, "rows": run.rows_needed},
         "arms": [r.record() for r in runs],
         "arm_data": {r.number: arm_summary(r.batches) for r in runs},
-        "flops_per_step": _flops(run, runs),
+        "flops_per_step": _flops(run, runs), "same_weights": same,
     }  # fmt: skip
+    ref4 = batches.get(4)
+    sample = max(ref4, key=lambda mb: mb.meta["num_tokens"]).to(device).tensors if ref4 else None
     del runs, batches
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return record
+    return record, sample
+
+
+def _same_weights(
+    runs: list[Any], done: int, run: RunConfig, device: torch.device, impl: Any
+) -> dict[str, Any]:
+    """Arm 4's model after its last step on every (non-control) arm's rows of that step."""
+    from benchmarks.e2e_ablation.train import same_weights_losses
+
+    ref = next((r for r in runs if r.number == 4 and r.error is None), None)
+    if ref is None or done < 1:
+        return {}
+    others = [r for r in runs if r.error is None and ARM_BY_NUMBER[r.number].control_of is None]
+    try:
+        losses = same_weights_losses(ref.model, others, done, run, device, impl)
+    except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
+        log.exception("the same-weights check failed")
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    return {"model_arm": 4, "step": done, "losses": losses}
 
 
 def _flops(run: RunConfig, runs: list[Any]) -> dict[str, dict[str, float]]:
@@ -221,15 +261,17 @@ def run_all(
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    attention, checks = self_checks(run, device)
+    impl, checks = self_checks(run, device)
     result: dict[str, Any] = {
         "command": command_line(), "machine": machine_description(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "run": {k: v for k, v in run.__dict__.items() if k != "model"}, "model": run.model.__dict__,
-        "model_summary": _model_summary(run), "attention_impl": attention, "self_checks": checks,
+        "run": {**{k: v for k, v in run.__dict__.items() if k != "model"}, "deadline_s": deadline_s},
+        "model": run.model.__dict__, "model_summary": _model_summary(run), "attention_impl": impl.attention,
+        "ce_impl": "triton" if impl.ce_triton else "torch", "self_checks": checks,
         "indexers": {"fixed": _indexer_for(4, run).implementation, "autotuned": _indexer_for(3, run).implementation},
         "workloads": [], "notes": [],
     }  # fmt: skip
+    sample = None
     for name in workloads:
         if not (data_dir / name / "pad8").is_dir():
             result["notes"].append(
@@ -237,7 +279,7 @@ def run_all(
             )
             log.warning(result["notes"][-1])
             continue
-        if deadline is not None and deadline - time.monotonic() < 30:
+        if deadline is not None and deadline - time.monotonic() < MIN_WORKLOAD_S:
             result["notes"].append(
                 f"workload {name} skipped: the deadline (--deadline-s {deadline_s:.0f}) was reached"
             )
@@ -246,9 +288,10 @@ def run_all(
         t0 = time.monotonic()
         log.info("workload %s: start", name)
         try:
-            record = run_workload(
-                name, data_dir, run, device, attention, deadline, data_info.get(name, {})
+            record, row = run_workload(
+                name, data_dir, run, device, impl, deadline, data_info.get(name, {})
             )
+            sample = sample if sample is not None else row
         except (
             RuntimeError,
             ValueError,
@@ -268,6 +311,21 @@ def run_all(
             time.monotonic() - t0,
             result["elapsed_s"],
         )
+    if (
+        sample is not None
+        and device.type == "cuda"
+        and (deadline is None or deadline - time.monotonic() > 20)
+    ):
+        from benchmarks.e2e_ablation.components import time_components
+
+        try:
+            result["components_ms"] = time_components(sample, run, impl)
+            log.info("component times (ms, one row): %s", result["components_ms"])
+        except (RuntimeError, ValueError, torch.OutOfMemoryError) as e:
+            log.exception("component timing failed")
+            result["notes"].append(f"component timing failed: {type(e).__name__}: {e}"[:500])
+        result["elapsed_s"] = time.monotonic() - start
+        write_outputs(result, out)
     if not result["workloads"]:
         raise RuntimeError(f"no workload ran: no data under {data_dir}")
     print_table(result)
@@ -275,7 +333,8 @@ def run_all(
 
 
 def prepare_smoke_data(root: Path, run: RunConfig) -> None:
-    """Two tiny workloads of synthetic token ids, each packed twice (pad8 / padseq), with packers."""
+    """Two tiny workloads of synthetic token ids (Zipf 1.1 over the vocabulary), each packed
+    twice (pad8 / padseq), with packers."""
     import pyarrow as pa
 
     from packers import DatasetWriter, pack_table
@@ -286,7 +345,11 @@ def prepare_smoke_data(root: Path, run: RunConfig) -> None:
     for name, (lo, hi) in specs.items():
         n = 3 * run.rows_needed * run.seq_len // (lo + hi)
         lengths = rng.integers(lo, hi, n)
-        ids = [rng.integers(2, run.model.vocab_size, k).astype(np.int32) for k in lengths]
+        ranks = np.arange(1, run.model.vocab_size - 1)
+        zipf = 1.0 / ranks**1.1  # a text-like unigram law: something to learn in 6 steps
+        ids = [
+            (2 + rng.choice(ranks.size, k, p=zipf / zipf.sum())).astype(np.int32) for k in lengths
+        ]
         masks = [np.arange(k) >= k // 3 for k in lengths]
         table = pa.table(
             {
@@ -304,7 +367,7 @@ def prepare_smoke_data(root: Path, run: RunConfig) -> None:
         info["workloads"][name] = {
             "samples": n,
             "packer": "in-process packers.pack_table (bfd)",
-            "description": f"smoke toy data, random ids, documents of {lo}-{hi} tokens",
+            "description": f"smoke toy data, Zipf-distributed ids, documents of {lo}-{hi} tokens",
         }
     (root / "data_info.json").write_text(json.dumps(info))
 
@@ -343,9 +406,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / ".bench" / "e2e_out",
     )
     p.add_argument(
-        "--workloads", default="long,math,long_greedy", help="comma-separated, run in this order"
+        "--workloads", default="long_greedy,long,math", help="comma-separated, run in this order"
     )
-    p.add_argument("--arms", default=None, help="comma-separated arm numbers (default 1,2,3,4)")
+    p.add_argument(
+        "--arms",
+        default=None,
+        help="comma-separated arm numbers (default 1,2,3,4,5; 5 = arm 4 again, the control)",
+    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--rows-per-step", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
@@ -365,8 +432,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--deadline-s",
         type=float,
-        default=500.0,
-        help="stop starting steps after this many seconds (0: none)",
+        default=360.0,
+        help="seconds from process start by which the run must be done (0: none)",
     )
     return p.parse_args(argv)
 

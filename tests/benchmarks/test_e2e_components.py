@@ -2,12 +2,18 @@
 
 - The torch sparse attention equals dense softmax attention under the mask "key selected by
   the indexer" (an independent formulation), gradients included.
-- The Triton sparse attention (fwd + bwd with atomics) equals the torch one; it runs through
-  the Triton interpreter in a subprocess (TRITON_INTERPRET must be set before triton.jit
-  decorates anything, and other test modules may already have imported Triton kernels).
+- The Triton kernels (sparse attention fwd + bwd with atomics; the cross-entropy rows kernel)
+  equal their torch versions; they run through the Triton interpreter in a subprocess
+  (TRITON_INTERPRET must be set before triton.jit decorates anything, and other test modules
+  may already have imported Triton kernels), and each self-check must also catch a broken
+  kernel.
 - The MoE output of a token does not depend on what else is routed with it (dropless: crowding
-  costs time, never changes values), while its capacity follows the most loaded expert.
-- The fused linear cross entropy equals F.cross_entropy on full logits, value and gradients.
+  costs time, never changes values), while its capacity follows the most loaded expert; the
+  DeepSeek-V3 bias step counts every token fed (padding too), lowers the busy experts' bias,
+  changes which experts are picked but not how the picked ones are mixed; the balance loss is
+  1 under uniform affinities and grows with imbalance.
+- The fused linear cross entropy equals F.cross_entropy on full logits, value and gradients,
+  and its loss-only path gives the same value.
 """
 
 from __future__ import annotations
@@ -22,11 +28,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.e2e_ablation.model import IGNORE_INDEX, fused_linear_cross_entropy
+from benchmarks.e2e_ablation.loss import IGNORE_INDEX, fused_linear_cross_entropy
 from benchmarks.e2e_ablation.moe import MoE
 from benchmarks.e2e_ablation.sparse_attention import random_problem, sparse_mqa_reference
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _interpreted(code: str) -> str:
+    """Run `code` in a fresh Python under the Triton interpreter; its stdout (fails on rc != 0)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 
 def _dense_masked(qn, qp, kc, kp, idx, nvalid, scale):  # type: ignore[no-untyped-def]
@@ -72,12 +88,7 @@ def test_triton_sparse_attention_matches_reference_in_interpreter() -> None:
         "print(msg)\n"
         "raise SystemExit(0 if ok else 1)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "matches the reference" in proc.stdout
+    assert "matches the reference" in _interpreted(code)
 
 
 def test_moe_is_dropless_and_capacity_follows_the_hottest_expert() -> None:
@@ -85,13 +96,62 @@ def test_moe_is_dropless_and_capacity_follows_the_hottest_expert() -> None:
     moe = MoE(32, 4, 2, 48, capacity_multiple=8, init_std=0.2)
     x = torch.randn(40, 32)
     alone = moe(x)
-    cap_alone = moe.last_capacity
+    ((loads_alone, real_alone),) = moe.take_stats()
     crowd = x[:1].expand(200, 32)  # 200 identical tokens: all on the same two experts
-    together = moe(torch.cat([x, crowd]))
+    together = moe(torch.cat([x, crowd]), n_real=40)
+    ((loads, real),) = moe.take_stats()
     torch.testing.assert_close(together[:40], alone, rtol=1e-5, atol=1e-6)
-    assert moe.last_max_load >= 200 and moe.last_capacity >= moe.last_max_load > cap_alone
+    assert torch.equal(real, real_alone), "real-token loads must not see the crowd"
+    assert int(loads.sum()) == 2 * 240 and int(loads.max()) >= 200
+    assert moe.capacity_of(loads) >= int(loads.max()) > moe.capacity_of(loads_alone)
     together[:40].sum().backward()
     assert moe.w_in.grad is not None and torch.isfinite(moe.w_in.grad).all()
+    assert moe.router.grad is not None and moe.router.grad.abs().sum() > 0
+
+
+def test_moe_bias_step_counts_every_token_and_only_selects() -> None:
+    torch.manual_seed(1)
+    moe = MoE(16, 4, 2, 8, capacity_multiple=4, init_std=0.3)
+    x = torch.randn(30, 16)
+    pads = x[:1].expand(90, 16)  # identical "pads" crowd two experts
+    with torch.no_grad():
+        moe(torch.cat([x, pads]), n_real=30)
+        _, _, scores = moe.route(pads[:1])
+    (loads,) = moe.take_stats()
+    busy = scores[0].topk(2).indices
+    assert int(moe.step_loads.sum()) == 2 * 120 and torch.equal(moe.step_loads, loads[0])
+    moe.update_bias(0.01)
+    assert int(moe.step_loads.sum()) == 0
+    torch.testing.assert_close(moe.expert_bias[busy], torch.full((2,), -0.01))
+    assert float(moe.expert_bias.sum()) > -0.02, "under-loaded experts must go up"
+    # a bias large enough moves the pick; the mixing weights stay the affinities of the picked
+    moe.expert_bias.zero_()
+    moe.expert_bias[busy[0]] = -10.0
+    experts, weights, scores = moe.route(x)
+    assert not bool((experts == busy[0]).any())
+    picked = scores.gather(1, experts)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
+    moe.update_bias(0.0)  # rate 0: statistics reset, bias unchanged
+    assert float(moe.expert_bias[busy[0]]) == -10.0
+
+
+def test_moe_balance_loss_is_one_when_uniform_and_grows_with_crowding() -> None:
+    moe = MoE(8, 4, 2, 8, capacity_multiple=4, init_std=0.0)  # router 0: affinities all 0.5
+    x = torch.randn(64, 8)
+    moe(x)
+    assert abs(float(moe.aux_loss) - 1.0) < 1e-6
+    torch.manual_seed(2)
+    moe = MoE(8, 4, 2, 8, capacity_multiple=4, init_std=1.0)
+    spread = torch.randn(64, 8)
+    moe(spread)
+    balanced = float(moe.aux_loss)
+    moe(torch.cat([spread, spread[:1].expand(192, 8)]))
+    assert float(moe.aux_loss) > balanced
+    moe.aux_loss.backward()
+    assert moe.router.grad is not None and moe.router.grad.abs().sum() > 0
+    with torch.no_grad():
+        moe(spread)
+    assert moe.aux_loss is None
 
 
 def test_fused_linear_cross_entropy_matches_full_logits() -> None:
@@ -109,6 +169,34 @@ def test_fused_linear_cross_entropy_matches_full_logits() -> None:
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        only = fused_linear_cross_entropy(h, w, labels, norm, chunk=16, with_grad=False)
+    torch.testing.assert_close(only, ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_triton_cross_entropy_matches_torch_in_interpreter() -> None:
+    code = (  # 1,024-wide blocks over a 5,000 vocabulary: several blocks and a masked tail
+        "import torch\n"
+        "import benchmarks.e2e_ablation.loss as L\n"
+        "L.BLOCK_V = 1024\n"
+        "for dt in (torch.float32, torch.bfloat16):\n"
+        "    ok, msg = L.self_check(torch.device('cpu'), dt, vocab=5000, rows=24)\n"
+        "    print(msg)\n"
+        "    assert ok, msg\n"
+        "x = torch.randn(6, 5000)\n"
+        "y = torch.tensor([1, -100, 4999, 0, 7, 2500])\n"
+        "with torch.no_grad():\n"
+        "    lo = L.ce_rows_triton(x.clone(), y, 1.0, with_grad=False)\n"
+        "ref = torch.nn.functional.cross_entropy(x, y, ignore_index=-100, reduction='none')\n"
+        "torch.testing.assert_close(lo, ref, rtol=1e-5, atol=1e-5)\n"
+        "good = L.ce_rows_triton\n"
+        "L.ce_rows_triton = lambda x, y, c, with_grad: good(x, y, 1.01 * c, with_grad=with_grad)\n"
+        "ok, msg = L.self_check(torch.device('cpu'), torch.float32, vocab=5000, rows=24)\n"
+        "print('BROKEN', ok, msg)\n"
+        "assert not ok\n"
+    )
+    out = _interpreted(code)
+    assert out.count("matches torch") == 2 and "BROKEN False" in out
 
 
 @pytest.mark.gpu
@@ -126,4 +214,13 @@ def test_triton_sparse_attention_on_gpu_bf16() -> None:
         s=2056,
         docs=[1500, 500],
     )
+    assert ok, msg
+
+
+@pytest.mark.gpu
+def test_triton_cross_entropy_on_gpu_bf16() -> None:
+    """The compiled rows kernel at the h200 preset's vocabulary (151,936), bf16 logits."""
+    from benchmarks.e2e_ablation.loss import self_check
+
+    ok, msg = self_check(torch.device("cuda"), torch.bfloat16, vocab=151_936)
     assert ok, msg
