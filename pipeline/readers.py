@@ -133,7 +133,7 @@ def _resolve_one(
     spec: str, storage_options: Mapping[str, Any] | None, split: str
 ) -> list[InputFile]:
     if spec.startswith(DEMO_SCHEME):
-        return [InputFile(url=spec, format="demo", records=len(demo_records_cached(spec)))]
+        return [InputFile(url=spec, format="demo", records=demo_size(spec))]
     try:
         fs, path = _fs(spec, storage_options)
     except (ImportError, ValueError) as e:
@@ -240,19 +240,38 @@ def _hub_dataset(
 # ---- demo ------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=2)
-def demo_records_cached(url: str) -> tuple[dict[str, Any], ...]:
-    """The built-in demo records of ``demo://[?seed=N&num_math=N&num_trajectories=N]``, made
-    once per process."""
+def _demo_params(url: str) -> dict[str, int]:
     from urllib.parse import parse_qsl, urlsplit
 
-    from pipeline.demo import demo_records
-
-    params = {k: int(v) for k, v in parse_qsl(urlsplit(url).query)}
+    try:
+        params = {k: int(v) for k, v in parse_qsl(urlsplit(url).query)}
+    except ValueError:
+        raise InputError(
+            f"{url}: demo parameters are integers (seed, num_math, num_trajectories)"
+        ) from None
     unknown = set(params) - {"seed", "num_math", "num_trajectories"}
     if unknown:
         raise InputError(f"{url}: unknown demo parameters {sorted(unknown)}")
-    return tuple(demo_records(**params))
+    return params
+
+
+def demo_size(url: str) -> int:
+    """Records of ``demo://[?seed=N&num_math=N&num_trajectories=N]`` (none generated)."""
+    from pipeline.demo import DEMO_NUM_MATH, DEMO_NUM_TRAJECTORIES
+
+    params = _demo_params(url)
+    return params.get("num_math", DEMO_NUM_MATH) + params.get(
+        "num_trajectories", DEMO_NUM_TRAJECTORIES
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def demo_records_cached(url: str) -> tuple[dict[str, Any], ...]:
+    """The built-in demo records of a ``demo://`` URL, made once per process (in the tasks
+    that read them: nothing travels from the driver)."""
+    from pipeline.demo import demo_records
+
+    return tuple(demo_records(**_demo_params(url)))
 
 
 # ---- counting --------------------------------------------------------------------------

@@ -54,6 +54,7 @@ pack_remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ShardVerif
 check_remote = ray.remote(num_cpus=1, max_retries=3)(check_shard)
 
 WAIT_S = 0.25
+NOMINAL_RECORD_BYTES = 1024  # block sizing of inputs without a byte size (demo://)
 
 
 class JobError(RuntimeError):
@@ -87,9 +88,9 @@ def plan_blocks(files: list[InputFile], workers: int) -> list[Block]:
     """Tokenization blocks: each file cut into runs of records of about the same input bytes."""
     blocks: list[Block] = []
     first = 0
-    total_bytes = sum(max(f.size, 1) for f in files)
+    sizes = [f.size or NOMINAL_RECORD_BYTES * f.records for f in files]  # demo:// has no size
     for fi, f in enumerate(files):
-        per_block = block_records(f.records, max(f.size, 1), total_bytes, workers)
+        per_block = block_records(f.records, max(sizes[fi], 1), max(sum(sizes), 1), workers)
         for start in range(0, f.records, per_block):
             stop = min(f.records, start + per_block)
             blocks.append(Block(len(blocks), fi, start, stop, first))
@@ -387,6 +388,13 @@ class Scheduler:
     # ---- loop --------------------------------------------------------------------------
 
     def run(self) -> dict[int, ShardResult]:
+        try:
+            return self._run()
+        except BaseException:
+            self._abort()  # tasks in flight are no longer wanted (a stop request cancelled them already)
+            raise
+
+    def _run(self) -> dict[int, ShardResult]:
         while self.intervals or self.pending_pack or self.pending_tok:
             self._submit_tokenize()
             refs = list(self.pending_tok) + list(self.pending_pack)
@@ -409,7 +417,6 @@ class Scheduler:
                     self.results[plan.number] = result
                     self.progress.written(result)
             if self.error is not None:
-                self._abort()
                 raise JobError(
                     f"{self.error[1]}\n(pass --skip-bad-records to skip such records and count them in the manifest)"
                 )
