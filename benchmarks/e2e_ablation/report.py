@@ -300,7 +300,8 @@ def print_table(result: dict[str, Any]) -> None:
                 "\n\nLoss agreement"
             )[0]
         )
-        print(loss_agreement_text(w) + "\n")
+        if w["summary"]:
+            print(loss_agreement_text(w) + "\n")
 
 
 def append_results_file(path: Path) -> str:
