@@ -55,6 +55,7 @@ from packers import FormatError, ShardDataset, finalize_dataset, rows_per_batch_
 from packers.format import MANIFEST_NAME
 from pipeline.chat_template import check_renderer, hf_exact_render
 from pipeline.config import PackConfig, config_from_args
+from pipeline.inputs import InputError, InputFile, resolve_inputs
 from pipeline.jobstate import (
     OutputError,
     OutputState,
@@ -65,7 +66,6 @@ from pipeline.jobstate import (
 )
 from pipeline.planning import sample_order
 from pipeline.progress import JobProgress, format_summary
-from pipeline.readers import InputError, InputFile, resolve_inputs
 from pipeline.scheduler import (
     InputCounter,
     Interrupted,

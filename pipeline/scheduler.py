@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 import ray
 
+from pipeline.inputs import InputFile
 from pipeline.planning import ShardPlan, block_records, contributions, plan_shards
-from pipeline.readers import InputFile, count_records
+from pipeline.readers import count_records
 from pipeline.tasks import (
     BlockMeta,
     ShardResult,

@@ -33,9 +33,10 @@ import pyarrow as pa
 from packers import build_rows, row_index_stats, row_problems, url_to_fs, write_shard
 from packers.format import checksum_stream, shard_name, split_checksum
 from packers.writer import ShardRecord, write_json_atomic
+from pipeline.inputs import InputFile
 from pipeline.jobstate import marker_path
 from pipeline.planning import ShardPlan, plan_shard_rows, window_sizes_for
-from pipeline.readers import InputFile, read_records
+from pipeline.readers import read_records
 from pipeline.samples import REASONS, BadRecord, Tokens, source_fields, to_sample
 from pipeline.tokenization import Encoded, SampleEncoder, TokenizerPayload
 

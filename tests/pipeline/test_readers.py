@@ -12,7 +12,8 @@ import pytest
 import zstandard
 
 from pipeline import readers
-from pipeline.readers import InputError, count_records, read_records, resolve_inputs
+from pipeline.inputs import InputError, resolve_inputs
+from pipeline.readers import count_records, read_records
 from pipeline.samples import BadRecord
 
 RECORDS = [{"text": f"doc {i}", "n": i} for i in range(23)]
