@@ -13,16 +13,20 @@ lengths of GSM8K + OpenMathReasoning ("math"), OASST + Glaive + Alpaca ("chat"),
 trajectories + Gutenberg + Wikipedia ("long"), and all of them, each resampled to 100M tokens;
 overlong truncated), rows beyond a global BFD over the whole mix:
 
-    window (rows of seq_len)    16      32      64     128     256
-    no carry, seq_len 8192   +5.9%   +2.9%   +1.5%   +0.7%   +0.3%     (about 1 row per window)
-    carry 1,  seq_len 8192   +0.98%  +0.59%  +0.39%  +0.22%  +0.10%    (worst mix: "long")
-    carry 1,  32768          +0.27%  +0.14%  +0.05%  +0.00%  +0.00%
-    carry 1,  131072         +0.00%  +0.00%  +0.00%  +0.00%  +0.00%
+    window (rows of seq_len)       16      32      64     128     256
+    no carry, worst mix / seq_len  +4.98%  +2.82%  +1.48%  +0.72%  +0.36%   (~half a row per window)
+    carry 1,  seq_len 8192         +0.92%  +0.63%  +0.39%  +0.20%  +0.10%   (worst mix: "long")
+    carry 1,  seq_len 32768        +0.27%  +0.09%  +0.05%  +0.05%  +0.00%
+    carry 1,  seq_len 131072       +0.00%  +0.00%  +0.00%  +0.00%  +0.00%
 
-(math / chat / all stay within +0.06% at every window with carry.) The default window is 128
-rows (``window_tokens = 128 * seq_len``): within 0.25% of global BFD on every mix and seq_len
-above, while a window holds at most 128 x seq_len tokens (84 MB at seq_len 131072).
-`benchmarks/bench_window.py` reproduces the table.
+(math / chat / all stay within +0.05% at every window with carry; windowed BFD even beats the
+global one by a row here and there.) The default window is 128 rows (``window_tokens = 128 *
+seq_len``): within 0.20% of global BFD on every mix and seq_len above, while a window holds at
+most 128 x seq_len tokens (84 MB at seq_len 131072). The table plans one shard; with the job's
+shard cuts (default `shard_tokens` 2^25; a shard's last window carries nothing) the worst case
+on the same resamples is +0.26% ("all" at seq_len 131072, 3 shards), +0.18% at 8192, +0.09% at
+32768. Measured 2026-12-02 on 100M-token resamples; `benchmarks/bench_window.py` reproduces the
+table.
 
 Shards. A shard is a run of whole windows holding at least `shard_tokens` tokens (the last shard
 may hold fewer). Window and shard boundaries depend only on the order, the token lengths and the
