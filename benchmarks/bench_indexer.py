@@ -1,6 +1,8 @@
 """Benchmark the fixed-config fp8 indexer (issue 5) on the GPU; prints tables, appends RESULTS.md.
 
     python benchmarks/bench_indexer.py [--out DIR] [--quick] [--no-append]
+    python benchmarks/bench_indexer.py --final --out DIR [--budget-s 125]   # benchmarks/indexer_final.py
+    python benchmarks/bench_indexer.py --append-results DIR/indexer_final.json   # no GPU needed
 
 One run measures, for S in {4K..128K}, H in {64, 32}, D = 128, topk = 2048, and two rows (one
 causal document; a packed row of six documents):
@@ -51,6 +53,7 @@ from kernels.fp8_indexer import (
 from kernels.logits import LogitsConfig, launch_logits
 from kernels.topk import TopkConfig, TopkWorkspace
 
+PROCESS_START = time.monotonic()  # --final's budget counts from here (after the imports)
 D = 128
 TOPK = 2048
 SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
@@ -121,12 +124,15 @@ def event_ms(fn, reps: int, warmup: int = 1, min_total_ms: float = 40.0) -> floa
     return statistics.median(times)
 
 
-def logits_runner(p: PreparedInputs, cfg: LogitsConfig):
-    """All chunks' logits launches of a topk call, for timing one logits config alone."""
+def logits_runner(p: PreparedInputs, cfg: LogitsConfig, buf: torch.Tensor | None = None):
+    """All chunks' logits launches of a topk call, for timing one logits config alone.
+
+    `buf` (from `logits_buffer(p)`) lets several runners share one chunk buffer (up to 8 GiB).
+    """
     extra = TopkWorkspace.bytes_per_row(TOPK, FIXED_CONFIG.topk)
     chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
-    rows = max(r1 - r0 for r0, r1, _, _ in chunks)
-    buf = torch.empty(rows * max(w for *_, w in chunks), dtype=torch.float32, device="cuda")
+    if buf is None:
+        buf = logits_buffer(p)
 
     def run() -> None:
         for r0, r1, col0, width in chunks:
@@ -137,6 +143,15 @@ def logits_runner(p: PreparedInputs, cfg: LogitsConfig):
             )  # fmt: skip
 
     return run
+
+
+def logits_buffer(p: PreparedInputs) -> torch.Tensor:
+    """A buffer for the largest chunk of `logits_runner(p, ...)`."""
+    extra = TopkWorkspace.bytes_per_row(TOPK, FIXED_CONFIG.topk)
+    chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
+    rows = max(r1 - r0 for r0, r1, _, _ in chunks)
+    size = rows * max(w for *_, w in chunks)
+    return torch.empty(size, dtype=torch.float32, device=p.q8.device)
 
 
 # ----------------------------------------------------------------------------- compile up front
@@ -288,11 +303,11 @@ def bench_varied_rows(cfg: IndexerConfig, h: int = 64) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def label(c: LogitsConfig) -> str:
-    return f"n{c.block_n}/k{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+    return c.label
 
 
 def topk_label(c: TopkConfig) -> str:
-    return f"{c.select} rows={c.rows_per_program} warps={c.num_warps} block={c.block} sample={c.sample}"
+    return c.label
 
 
 def guarded(name: str, fn):
@@ -336,12 +351,40 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--no-append", action="store_true", help="do not append to RESULTS.md")
     ap.add_argument("--skip-varied", action="store_true", help="no varied-row test")
+    ap.add_argument(
+        "--final",
+        action="store_true",
+        help="the final candidates run (benchmarks/indexer_final.py): end to end at 64K, the "
+        "logits sweep + candidates at the target shapes, inside --budget-s",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=125.0,
+        help="--final: seconds from the process start; shapes that would end later are skipped",
+    )
+    ap.add_argument(
+        "--append-results",
+        type=Path,
+        metavar="FILE",
+        help="append a --final run's indexer_final.json to benchmarks/RESULTS.md (no GPU needed)",
+    )
     args = ap.parse_args()
+    if args.append_results is not None:
+        from benchmarks.indexer_final import append_final_results
+
+        print(append_final_results(args.append_results))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_indexer.py needs a CUDA GPU (run it through the device tool)")
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
+    if args.final:
+        from benchmarks.indexer_final import run_final
+
+        run_final(out, args.budget_s, args.workers, PROCESS_START)
+        return
     sizes = [s for s in SIZES if s <= 16384] if args.quick else SIZES
 
     t0 = time.perf_counter()

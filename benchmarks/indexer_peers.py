@@ -65,8 +65,10 @@ class AutotunedLogits:
                 for c in self.configs
                 if c.block_n >= heads
             ]
+            # the exact key count: the last tile is masked unless S_k is a multiple of BLOCK_K
+            even = triton.heuristics({"EVEN_K": lambda a: a["S_k"] % a["BLOCK_K"] == 0})
             self._tuned[heads] = triton.autotune(configs=cfgs, key=["n_rows", "S_k", "H"])(
-                _indexer_logits_kernel
+                even(_indexer_logits_kernel)
             )
         return self._tuned[heads]
 

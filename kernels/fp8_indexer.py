@@ -21,8 +21,8 @@ under `max_chunk_bytes` (default 8 GiB: 128K-key rows go in 16K-query chunks, 25
 8K). `fp8_indexer_logits` materialises the whole [S_q, S_k] matrix and is for tests and
 inspection.
 
-Inputs are padded to the kernels' rules where needed: keys to a multiple of 16 (zero keys with
-zero scale, never inside any [ks, ke)), H to a power of two (zero weights), D to a power of two
+Inputs are padded to the kernels' rules where needed: keys to a multiple of 128 (zero keys with
+zero scale, never inside any [ks, ke); whole 64/128-key tiles need no bound mask), H to a power of two (zero weights), D to a power of two
 >= 32 (zero columns, after quantization so scales are unchanged).
 """
 
@@ -35,17 +35,18 @@ import numpy as np
 import torch
 
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, launch_logits
+from kernels.order import order_topk
 from kernels.quant import quantize_fp8
 from kernels.topk import (
     FIXED_TOPK_CONFIG,
     TopkConfig,
     TopkWorkspace,
-    finish_topk,
     launch_select,
     topk_rows_torch,
 )
 
-KEY_PAD = 16
+KEY_PAD = 128  # keys padded to a multiple of this: every key tile (block_k <= 128) is whole
+COL_ALIGN = 16  # chunk key windows start and end on multiples of this (16-float rows)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class PreparedInputs:
 
     q8: torch.Tensor  # [S_q * Hp, Dp] fp8
     wq: torch.Tensor  # [S_q * Hp] fp32 = w * q_scale
-    k8: torch.Tensor  # [S_kp, Dp] fp8, S_kp a multiple of 16
+    k8: torch.Tensor  # [S_kp, Dp] fp8, S_kp a multiple of KEY_PAD
     k_scale: torch.Tensor  # [S_kp] fp32
     ks: torch.Tensor  # [S_q] int32, on the device
     ke: torch.Tensor  # [S_q] int32, on the device
@@ -190,10 +191,10 @@ def plan_chunks(
         r1 = min(len(ks), r0 + rows)
         live = ke[r0:r1] > ks[r0:r1]
         if live.any():
-            col0 = int(ks[r0:r1][live].min()) // KEY_PAD * KEY_PAD
-            width = -(-(int(ke[r0:r1][live].max()) - col0) // KEY_PAD) * KEY_PAD
+            col0 = int(ks[r0:r1][live].min()) // COL_ALIGN * COL_ALIGN
+            width = -(-(int(ke[r0:r1][live].max()) - col0) // COL_ALIGN) * COL_ALIGN
         else:
-            col0, width = 0, KEY_PAD
+            col0, width = 0, COL_ALIGN
         chunks.append((r0, r1, col0, width))
     return chunks
 
@@ -220,7 +221,7 @@ def indexer_topk_prepared(
     extra = TopkWorkspace.bytes_per_row(topk, config.topk)
     chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, config.max_chunk_bytes)
     max_rows = max((r1 - r0 for r0, r1, _, _ in chunks), default=0)
-    max_width = max((w for _, _, _, w in chunks), default=KEY_PAD)
+    max_width = max((w for _, _, _, w in chunks), default=COL_ALIGN)
     buf = torch.empty(max_rows * max_width, dtype=torch.float32, device=dev)
     ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
     fallback = 0
@@ -278,7 +279,7 @@ def _select_and_order(
         logits, col0, ks, ke, ws, topk=topk, row0=r0, n_rows=n, sentinel=sentinel, config=config
     )
     mark()
-    out[r0 : r0 + n] = finish_topk(ws, n, topk)
+    order_topk(ws, out[r0 : r0 + n], n, topk, config)
     bad = torch.nonzero(ws.status[:n]).flatten()
     if bad.numel():
         rows = bad + r0

@@ -21,18 +21,26 @@ Per row (`_select_kernel`, ROWS rows per program; 1 on the GPU):
    select); keep all u > T* and the lowest-index u == T* until min(topk, count) are kept;
    write them, still in index order, to a [rows, K2] staging pair (key32, index), padded with
    (INT32_MIN, sentinel).
-Then `finish_topk` sorts each staging row by key32 descending with a *stable* sort
-(torch.sort(stable=True)), which keeps index order among equal keys: exactly the contract.
+Then the order step (`kernels.order`, `TopkConfig.order`): "torch" sorts each staging row by
+key32 descending with a *stable* sort (torch.sort(stable=True)), which keeps index order among
+equal keys: exactly the contract; "bitonic" sorts (key32 << 32 | 2^31-1-index) int64
+descending in one Triton program a row (values distinct: the contract's order, no stability).
 Flagged rows are finished by `topk_rows_torch` (exact and deterministic, slower).
 
-No atomics and no data-dependent reduction order anywhere, so the output is a pure function of
-the scores. Why not a bitonic sort inside Triton: a 4096-wide int64 bitonic top-k compiled to
-~23K SASS lines per row (about 5.8M thread-instructions: ~12 ms per 64K rows) and 50-110 s of
-compile time; the selects cost 32 counts of CAP values and compile in seconds.
+Steps 1-3 run CTA-wide (`TopkConfig.kernel="cta"`, 8 warps a row, the fixed config) or in one
+warp a row ("warp": same algorithm and output; counts and scans are shuffles, no barriers, 12
+programs an SM; see `_select_kernel`).
 
-H200, S=64K, H=64, causal, topk 2048: select kernel 16.3 ms (it reads the 8.6 GB of scores at
-~0.5 TB/s: each 2048-score step is a CTA-wide scan and count behind barriers), stable sort and
-gather 5.6 ms; docs/KERNELS.md has the sweep and what would make the select faster.
+No atomics and no data-dependent reduction order anywhere, so the output is a pure function of
+the scores. Why not a bitonic top-k of the candidates inside the select: a 4096-wide int64
+bitonic top-k compiled to ~23K SASS lines per row (about 5.8M thread-instructions: ~12 ms per
+64K rows) and 50-110 s of compile time; the selects cost 32 counts of CAP values and compile
+in seconds. The bitonic *order* sorts only the 2048 selected: ~7K SASS lines a thread of 4
+warps (~28K warp instructions a row), ~10-20 s to compile.
+
+H200, S=64K, H=64, causal, topk 2048 (run 2): select kernel 16.3 ms (it reads the 8.6 GB of
+scores at ~0.5 TB/s: each 2048-score step is a CTA-wide scan and count behind barriers),
+stable sort and gather 5.6 ms; docs/KERNELS.md has the sweep and the candidates' predictions.
 """
 
 from __future__ import annotations
@@ -48,12 +56,22 @@ IDX_MAX = 2**31 - 1
 I32_MIN = -(2**31)
 
 
-_SELECTS = {"radix": 1, "bitwise": 0}  # constexpr RADIX of the kernel
+_SELECTS = {"radix": 1, "bitwise": 0}  # constexpr RADIX of the CTA kernel
+_KERNELS = ("cta", "warp")  # `_select_kernel` with WARP = False / True
+_ORDERS = ("torch", "bitonic")  # staging -> output: `kernels.order`
 
 
 @dataclass(frozen=True)
 class TopkConfig:
-    """Launch parameters of the selection kernel."""
+    """Launch parameters of the selection kernel and the order step.
+
+    `kernel`: "cta" runs `rows_per_program` rows in a program of `num_warps` warps (every
+    count and scan is CTA-wide, behind barriers); "warp" runs one row in a one-warp program
+    (counts and scans are shuffles; ~11 programs an SM), with the same algorithm and output.
+    `order`: "torch" sorts the staging rows with a stable torch.sort and gathers; "bitonic"
+    sorts packed (key, index) int64 pairs with `tl.sort` in one Triton kernel of
+    `order_warps` warps. Every combination gives the same indices.
+    """
 
     sample: int = 2048  # threshold sample size (power of two, >= 16): runs of 16 scores
     block: int = 2048  # scores per step of the compaction pass (power of two)
@@ -67,6 +85,13 @@ class TopkConfig:
     # H200 at S=64K the select kernel took 15.7 ms with bitwise, 26.7 ms with radix (203
     # registers a thread: one program per SM instead of two).
     select: Literal["radix", "bitwise"] = "bitwise"
+    kernel: Literal["cta", "warp"] = "cta"
+    order: Literal["torch", "bitonic"] = "torch"
+    order_warps: int = 4
+    chunk: int = 512  # warp kernel: candidates a step of the staging write
+    # warp kernel: register cap (ptxas takes all 255 of a one-warp program otherwise: 8 warps
+    # an SM; 168 gives 12 without spills at block 512, chunk 512, topk 2048; sm_90 compile)
+    warp_max_registers: int = 168
 
     def __post_init__(self) -> None:
         for name, least in (
@@ -75,6 +100,7 @@ class TopkConfig:
             ("cap_factor", 2),
             ("min_cap", 2),
             ("rows_per_program", 1),
+            ("chunk", 16),
         ):
             v = getattr(self, name)
             if v < least or v & (v - 1):
@@ -89,11 +115,36 @@ class TopkConfig:
             )
         if self.max_passes < 1:
             raise ValueError(f"TopkConfig.max_passes={self.max_passes}: must be >= 1")
+        if self.kernel not in _KERNELS:
+            raise ValueError(f"TopkConfig.kernel={self.kernel!r}: must be one of {list(_KERNELS)}")
+        if self.kernel == "warp" and self.select != "bitwise":
+            raise ValueError(
+                f"TopkConfig.select={self.select!r} with kernel='warp': the one-warp kernel "
+                "selects bitwise only; use select='bitwise'"
+            )
+        if self.order not in _ORDERS:
+            raise ValueError(f"TopkConfig.order={self.order!r}: must be one of {list(_ORDERS)}")
+        if not 24 <= self.warp_max_registers <= 255:
+            raise ValueError(
+                f"TopkConfig.warp_max_registers={self.warp_max_registers}: must lie in [24, 255]"
+            )
+        if self.order_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TopkConfig.order_warps={self.order_warps}: must be 1, 2, 4, 8 or 16")
 
     def sizes(self, topk: int) -> tuple[int, int]:
         """(K2 = staging width, a power of two >= topk; CAP = candidate buffer per row)."""
         k2 = max(2, triton.next_power_of_2(topk))
         return k2, max(self.cap_factor * k2, self.min_cap)
+
+    @property
+    def label(self) -> str:
+        """Short name for reports."""
+        if self.kernel == "warp":
+            head = f"warp block={self.block}"
+        else:
+            head = f"{self.select} rows={self.rows_per_program} warps={self.num_warps} block={self.block}"
+        order = f"bitonic/{self.order_warps}w" if self.order == "bitonic" else "torch sort"
+        return f"{head} sample={self.sample}, {order}"
 
 
 FIXED_TOPK_CONFIG = TopkConfig()
@@ -115,6 +166,18 @@ def _kth_largest_bitwise(u, valid, k):
     0 never count). k = 0 gives 0xffffffff.
     """
     u = tl.where(valid, u, 0)
+    ans = (k * 0).to(tl.uint32)
+    for b in range(32):
+        trial = ans | (tl.full(ans.shape, 2147483648, tl.uint32) >> b)
+        cnt = tl.sum((u >= trial[:, None]).to(tl.int32), axis=1)
+        ans = tl.where(cnt >= k, trial, ans)
+    return ans
+
+
+@triton.jit
+def _kth_largest_zeroed(u, k):
+    """`_kth_largest_bitwise` for u [ROWS, M] whose invalid entries are already 0 (no masked
+    copy: half the registers for the one-warp kernel, which holds 128 keys a lane)."""
     ans = (k * 0).to(tl.uint32)
     for b in range(32):
         trial = ans | (tl.full(ans.shape, 2147483648, tl.uint32) >> b)
@@ -162,21 +225,109 @@ def _kth_largest_radix(u, valid, k, ROWS: tl.constexpr, M: tl.constexpr):
 
 
 @triton.jit
-def _compact_pass(row_base, cand, ks, ke, thr, todo, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Rows in `todo`: write (u << 32 | index) of every u >= thr to cand, in index order; count them."""
+def _compact_pass(
+    row_base,
+    cand,
+    ks,
+    ke,
+    thr,
+    todo,
+    CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """Rows in `todo`: write every u >= thr with its index to cand, in index order; count them.
+
+    PAIRS = 0: one int64 (u << 32 | index) a candidate, cand rows CAP long; PAIRS = 1: int32 u
+    at [0, CAP) and int32 index at [CAP, 2 CAP) of cand rows 2 CAP long. ALIGNED = 1 (rows
+    16-float aligned and readable up to ke rounded up to 16): loads are masked per 16 scores,
+    so they compile to 16-byte vectors; the scores outside [ks, ke) are read, never selected.
+    """
     count = ks * 0
     lo = tl.min(tl.where(todo, ks, 2147483647), axis=0)
     hi = tl.max(tl.where(todo, ke, 0), axis=0)
+    ke16 = (ke + 15) // 16 * 16
     for s0 in range((lo // 16) * 16, hi, BLOCK):
         offs = s0 + tl.arange(0, BLOCK)[None, :]
         inr = (offs >= ks[:, None]) & (offs < ke[:, None]) & todo[:, None]
-        u = _ukey(tl.load(row_base[:, None] + offs, mask=inr, other=0.0))
+        if ALIGNED:
+            lmask = (offs >= (ks[:, None] // 16) * 16) & (offs < ke16[:, None]) & todo[:, None]
+        else:
+            lmask = inr
+        u = _ukey(tl.load(row_base[:, None] + offs, mask=lmask, other=0.0))
         sel = inr & (u >= thr[:, None])
         pos = count[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-        packed = (u.to(tl.int64) << 32) | offs.to(tl.int64)
-        tl.store(cand[:, None] + pos, packed, mask=sel & (pos < CAP))
+        keep = sel & (pos < CAP)
+        if PAIRS:
+            tl.store(cand[:, None] + pos, u.to(tl.int32, bitcast=True), mask=keep)
+            tl.store(cand[:, None] + CAP + pos, offs, mask=keep)
+        else:
+            packed = (u.to(tl.int64) << 32) | offs.to(tl.int64)
+            tl.store(cand[:, None] + pos, packed, mask=keep)
         count += tl.sum(sel.to(tl.int32), axis=1)
     return count
+
+
+@triton.jit
+def _threshold_and_compact(
+    row_base,
+    cand,
+    ks,
+    n,
+    live,
+    topk,
+    target,
+    ROWS: tl.constexpr,
+    CAP: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MAX_PASSES: tl.constexpr,
+    RADIX: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """Steps 1-2 for the rows `live`: (count of candidates written, ok = count in [need, CAP])."""
+    ke = ks + n
+    # 1. threshold candidates: SAMPLE // 16 evenly spaced runs of 16 scores of each long row
+    #    (runs, not single scores: 64-byte reads instead of a 32-byte sector per 4-byte score)
+    si = tl.arange(0, SAMPLE)[None, :]
+    spos = (
+        ks[:, None]
+        + ((si // 16).to(tl.int64) * n[:, None] // (SAMPLE // 16)).to(tl.int32)
+        + si % 16
+    )
+    sok = (si >= 0) & (n[:, None] > CAP)
+    samp = _ukey(tl.load(row_base[:, None] + spos, mask=sok, other=0.0))
+    if PAIRS:
+        samp = tl.where(sok, samp, 0)  # u > 0 for every real score: 0 never counts
+    rank = tl.minimum(tl.maximum(tl.cdiv(target * SAMPLE, tl.maximum(n, 1)) - 1, 0), SAMPLE - 1)
+
+    # 2. compaction passes (rows with n <= CAP take everything); re-rank the rows that miss
+    need = tl.minimum(n, topk)
+    count = n * 0
+    lo_r = n * 0
+    hi_r = lo_r + (SAMPLE - 1)
+    todo = live & (n > 0)
+    ok = live & (n <= 0)
+    for _ in range(MAX_PASSES):
+        if tl.max(todo.to(tl.int32), axis=0) > 0:
+            if PAIRS:
+                thr = tl.where(n <= CAP, 0, _kth_largest_zeroed(samp, rank + 1))
+            else:
+                thr = tl.where(n <= CAP, 0, _kth_largest(samp, sok, rank + 1, ROWS, SAMPLE, RADIX))
+            got = _compact_pass(row_base, cand, ks, ke, thr, todo, CAP, BLOCK, PAIRS, ALIGNED)
+            count = tl.where(todo, got, count)
+            hit = todo & (got >= need) & (got <= CAP)
+            ok = ok | hit
+            # bracket the rank (too many -> below it, too few -> above it), then scale it by
+            # target / count inside the bracket; an empty bracket gives up on the row
+            lo_r = tl.where(todo & (got < need), rank + 1, lo_r)
+            hi_r = tl.where(todo & (got > CAP), rank - 1, hi_r)
+            est = tl.cdiv((rank + 1) * target, tl.maximum(got, 1)) - 1
+            todo = todo & (hit == 0) & (lo_r <= hi_r)
+            rank = tl.where(todo, tl.minimum(tl.maximum(est, lo_r), hi_r), rank)
+    return count, ok
 
 
 @triton.jit(do_not_specialize=["col0", "row0", "n_rows", "sentinel", "topk", "target"])
@@ -202,52 +353,57 @@ def _select_kernel(
     BLOCK: tl.constexpr,
     MAX_PASSES: tl.constexpr,
     RADIX: tl.constexpr,
+    WARP: tl.constexpr = False,
+    CHUNK: tl.constexpr = 16,
+    ALIGNED: tl.constexpr = False,
 ):
+    """Steps 1-3 for ROWS rows a program.
+
+    WARP = False (TopkConfig.kernel="cta"): every count and scan is CTA-wide; candidates are
+    int64 (u << 32 | index). WARP = True ("warp", launched as one-warp programs of one row):
+    the same algorithm and output, but every count and scan is in-register work plus five
+    shuffles, no barrier, and ~12 programs share an SM (vs 2 of 8 warps), so the 64 dependent
+    counts of a row overlap with other rows' instead of serialising behind CTA barriers.
+    Candidates are int32 pairs (u at [0, CAP), index at [CAP, 2 CAP) of 2 CAP-long rows); only
+    the select holds all CAP keys in registers (128 a lane at topk 2048), the staging write
+    re-reads them CHUNK at a time. ALIGNED (the indexer's chunks: col0, the row stride and
+    the row width multiples of 16) passes col0 / 16, so that Triton proves row starts 16-float
+    aligned, and masks the compaction loads per 16 scores: 16-byte vector loads. ROWS > 1
+    with WARP only vectorises the CPU interpreter (tests).
+    """
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # chunk-local rows
     live = r < n_rows
     ks = tl.load(ks_ptr + row0 + r, mask=live, other=0)
     ke = tl.maximum(tl.load(ke_ptr + row0 + r, mask=live, other=0), ks)
     n = ke - ks
-    row_base = logits_ptr + r.to(tl.int64) * stride_l - col0
-    cand = cand_ptr + r.to(tl.int64) * CAP
-
-    # 1. threshold candidates: SAMPLE // 16 evenly spaced runs of 16 scores of each long row
-    #    (runs, not single scores: 64-byte reads instead of a 32-byte sector per 4-byte score)
-    si = tl.arange(0, SAMPLE)[None, :]
-    spos = (
-        ks[:, None]
-        + ((si // 16).to(tl.int64) * n[:, None] // (SAMPLE // 16)).to(tl.int32)
-        + si % 16
-    )
-    sok = (si >= 0) & (n[:, None] > CAP)
-    samp = _ukey(tl.load(row_base[:, None] + spos, mask=sok, other=0.0))
-    rank = tl.minimum(tl.maximum(tl.cdiv(target * SAMPLE, tl.maximum(n, 1)) - 1, 0), SAMPLE - 1)
-
-    # 2. compaction passes (rows with n <= CAP take everything); re-rank the rows that miss
-    need = tl.minimum(n, topk)
-    count = n * 0
-    lo_r = n * 0
-    hi_r = lo_r + (SAMPLE - 1)
-    todo = live & (n > 0)
-    ok = live & (n <= 0)
-    for _ in range(MAX_PASSES):
-        if tl.max(todo.to(tl.int32), axis=0) > 0:
-            thr = tl.where(n <= CAP, 0, _kth_largest(samp, sok, rank + 1, ROWS, SAMPLE, RADIX))
-            got = _compact_pass(row_base, cand, ks, ke, thr, todo, CAP, BLOCK)
-            count = tl.where(todo, got, count)
-            hit = todo & (got >= need) & (got <= CAP)
-            ok = ok | hit
-            # bracket the rank (too many -> below it, too few -> above it), then scale it by
-            # target / count inside the bracket; an empty bracket gives up on the row
-            lo_r = tl.where(todo & (got < need), rank + 1, lo_r)
-            hi_r = tl.where(todo & (got > CAP), rank - 1, hi_r)
-            est = tl.cdiv((rank + 1) * target, tl.maximum(got, 1)) - 1
-            todo = todo & (hit == 0) & (lo_r <= hi_r)
-            rank = tl.where(todo, tl.minimum(tl.maximum(est, lo_r), hi_r), rank)
+    row_base = logits_ptr + r.to(tl.int64) * stride_l - col0 * (16 if ALIGNED else 1)
+    cand = cand_ptr + r.to(tl.int64) * (2 * CAP if WARP else CAP)
+    count, ok = _threshold_and_compact(
+        row_base, cand, ks, n, live, topk, target, ROWS, CAP, SAMPLE, BLOCK, MAX_PASSES, RADIX,
+        WARP, ALIGNED,
+    )  # fmt: skip
     tl.store(status_ptr + r, 1 - ok.to(tl.int32), mask=live)
     tl.debug_barrier()  # candidates written by other threads of this program
+    srow = r.to(tl.int64)[:, None] * K2
+    if WARP:
+        take = _exact_select_pairs(cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP, CHUNK)
+    else:
+        take = _exact_select_packed(
+            cand, count, ok, topk, skey_ptr, sidx_ptr, srow, ROWS, CAP, RADIX
+        )
+    slot = tl.arange(0, K2)[None, :]
+    pad = (slot >= take[:, None]) & live[:, None]
+    tl.store(skey_ptr + srow + slot, tl.full(slot.shape, -2147483648, tl.int32), mask=pad)
+    tl.store(sidx_ptr + srow + slot, tl.zeros(slot.shape, tl.int32) + sentinel, mask=pad)
 
-    # 3. exact select: all u > T*, then the lowest-index u == T*, min(topk, count) in all
+
+@triton.jit
+def _exact_select_packed(
+    cand, count, ok, topk, skey_ptr, sidx_ptr, srow,
+    ROWS: tl.constexpr, CAP: tl.constexpr, RADIX: tl.constexpr,
+):  # fmt: skip
+    """Step 3 on int64 candidates: all u > T*, then the lowest-index u == T*, min(topk, count)
+    in all, written in index order to the staging rows; returns how many."""
     ci = tl.arange(0, CAP)[None, :]
     valid = (ci < count[:, None]) & ok[:, None]
     c64 = tl.load(cand[:, None] + ci, mask=valid, other=0)
@@ -261,20 +417,48 @@ def _select_kernel(
     sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=1) <= room[:, None]))
     pos = tl.cumsum(sel.to(tl.int32), axis=1) - 1
     key32 = (cu ^ 0x80000000).to(tl.int32, bitcast=True)
-    srow = r.to(tl.int64)[:, None] * K2
     tl.store(skey_ptr + srow + pos, key32, mask=sel)
     tl.store(sidx_ptr + srow + pos, cidx, mask=sel)
-    slot = tl.arange(0, K2)[None, :]
-    pad = (slot >= take[:, None]) & live[:, None]
-    tl.store(skey_ptr + srow + slot, tl.full(slot.shape, -2147483648, tl.int32), mask=pad)
-    tl.store(sidx_ptr + srow + slot, tl.zeros(slot.shape, tl.int32) + sentinel, mask=pad)
+    return take
+
+
+@triton.jit
+def _exact_select_pairs(
+    cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP: tl.constexpr, CHUNK: tl.constexpr
+):
+    """Step 3 on int32 pair candidates (the one-warp kernel): the select over all CAP keys in
+    registers (zero-filled, no masked copy), then the staging write CHUNK candidates a step."""
+    have = tl.where(ok, count, 0)
+    ci = tl.arange(0, CAP)[None, :]
+    cu = tl.load(cand[:, None] + ci, mask=ci < have[:, None], other=0).to(tl.uint32, bitcast=True)
+    take = tl.minimum(have, topk)
+    tstar = _kth_largest_zeroed(cu, take)  # empty slots hold 0, below every real key
+    room = take - tl.sum((cu > tstar[:, None]).to(tl.int32), axis=1)
+    written = take * 0
+    eq_seen = take * 0
+    for c0 in range(0, tl.max(have, axis=0), CHUNK):
+        cj = c0 + tl.arange(0, CHUNK)[None, :]
+        v = cj < have[:, None]
+        c_u = tl.load(cand[:, None] + cj, mask=v, other=0).to(tl.uint32, bitcast=True)
+        c_i = tl.load(cand[:, None] + CAP + cj, mask=v, other=0)
+        gt = v & (c_u > tstar[:, None])
+        eq = v & (c_u == tstar[:, None])
+        eq_rank = eq_seen[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+        sel = gt | (eq & (eq_rank <= room[:, None]))
+        pos = written[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+        key32 = (c_u ^ 0x80000000).to(tl.int32, bitcast=True)
+        tl.store(skey_ptr + srow + pos, key32, mask=sel)
+        tl.store(sidx_ptr + srow + pos, c_i, mask=sel)
+        written += tl.sum(sel.to(tl.int32), axis=1)
+        eq_seen += tl.sum(eq.to(tl.int32), axis=1)
+    return take
 
 
 @dataclass
 class TopkWorkspace:
     """Buffers for up to `rows` rows of one chunk (reused across chunks)."""
 
-    cand: torch.Tensor  # [rows * CAP] int64
+    cand: torch.Tensor  # [rows * CAP] int64 (the warp kernel: [rows, 2 CAP] int32 pairs)
     skey: torch.Tensor  # [rows, K2] int32
     sidx: torch.Tensor  # [rows, K2] int32
     status: torch.Tensor  # [rows] int32
@@ -313,21 +497,27 @@ def launch_select(
 ) -> None:
     """Steps 1-3 for chunk rows [row0, row0 + n_rows): logits row i is query row0 + i."""
     k2, cap = config.sizes(topk)
-    rows = config.rows_per_program
     if n_rows <= 0:
         return
+    target = round(config.ratio * topk)
+    if config.kernel == "warp":
+        aligned = col0 % 16 == 0 and logits.stride(0) % 16 == 0 and logits.shape[1] % 16 == 0
+        rows = config.rows_per_program
+        _select_kernel[(triton.cdiv(n_rows, rows),)](
+            logits, logits.stride(0), col0 // 16 if aligned else col0, ks, ke, row0, n_rows,
+            ws.cand.view(torch.int32), ws.skey, ws.sidx, ws.status, sentinel, topk, target,
+            ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
+            MAX_PASSES=config.max_passes, RADIX=0, WARP=True, CHUNK=min(cap, config.chunk),
+            ALIGNED=aligned, num_warps=1, maxnreg=config.warp_max_registers,
+        )  # fmt: skip
+        return
+    rows = config.rows_per_program
     _select_kernel[(triton.cdiv(n_rows, rows),)](
         logits, logits.stride(0), col0, ks, ke, row0, n_rows,
-        ws.cand, ws.skey, ws.sidx, ws.status, sentinel, topk, round(config.ratio * topk),
+        ws.cand, ws.skey, ws.sidx, ws.status, sentinel, topk, target,
         ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
         MAX_PASSES=config.max_passes, RADIX=_SELECTS[config.select], num_warps=config.num_warps,
     )  # fmt: skip
-
-
-def finish_topk(ws: TopkWorkspace, n_rows: int, topk: int) -> torch.Tensor:
-    """Order each staging row: key descending, stable (index order among equal keys); [n_rows, topk]."""
-    perm = torch.sort(ws.skey[:n_rows], dim=1, descending=True, stable=True).indices[:, :topk]
-    return torch.gather(ws.sidx[:n_rows], 1, perm)
 
 
 def packed_keys_torch(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,12 @@ from kernels import IndexerConfig, TopkConfig
 # handles 256 rows so that the interpreter vectorises over rows.
 SMALL_TOPK = TopkConfig(sample=64, block=64, min_cap=16, rows_per_program=256, num_warps=4)
 SMALL = IndexerConfig(topk=SMALL_TOPK)
+# The one-warp select and the bitonic order (the candidates of the final H200 run), same sizes;
+# `chunk=16` makes the staging write take several steps even at CAP 16.
+SMALL_WARP_TOPK = TopkConfig(
+    sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", order="bitonic", chunk=16
+)
+SMALL_WARP = IndexerConfig(topk=SMALL_WARP_TOPK)
 
 
 def packed_ranges(doc_lens: list[int], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

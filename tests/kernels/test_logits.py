@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fp8_indexer_logits, reference_logits
+from kernels import LogitsConfig, fp8_indexer_logits, prepare_inputs, reference_logits
+from kernels.logits import launch_logits
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 
@@ -54,3 +55,58 @@ def test_keys_beyond_queries_and_windows(device: str) -> None:
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
     assert ((got[fin] - ref[fin]).norm() / ref[fin].norm()).item() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def prepared_row() -> tuple:
+    """A packed row (4 documents + 5 empty queries; 197 keys, padded to 256) and its scores."""
+    ks, ke = packed_ranges([70, 3, 90, 29], pad=5)
+    q, k, w = random_inputs(ks.numel(), 8, 64, seed=31)
+    p = prepare_inputs(q, k, w, ks, ke)
+    ref = reference_logits(q, k, w, ks, ke)
+    return p, ref
+
+
+def _run(p, config: LogitsConfig, keys: int) -> torch.Tensor:
+    """Scores of the whole row through `config`, with only the first `keys` keys passed."""
+    out = torch.full((p.s_q, keys), float("-inf"))
+    launch_logits(
+        p.q8, p.wq, p.k8[:keys], p.k_scale[:keys], p.ks, p.ke, out,
+        heads=p.heads, row0=0, n_rows=p.s_q, col0=0, config=config,
+    )  # fmt: skip
+    return out[:, : p.s_k]
+
+
+@pytest.mark.parametrize(
+    ("config", "keys"),
+    [
+        (LogitsConfig(schedule="pipelined"), 256),  # whole tiles: unmasked key loads
+        (LogitsConfig(key_mask="always"), 256),  # the masked kernel of the first H200 runs
+        (LogitsConfig(schedule="pipelined"), 197),  # 197 keys: the last tile is masked
+        (LogitsConfig(64, 128, 4, 3, schedule="pipelined"), 256),  # 8 queries a program
+    ],
+    ids=["pipelined", "serial-masked", "pipelined-197-keys", "pipelined-n64-k128"],
+)
+def test_schedules_and_key_masks_give_identical_scores(
+    prepared_row: tuple, config: LogitsConfig, keys: int
+) -> None:
+    # The schedule and the key mask do not change the per-score arithmetic: bitwise equal to
+    # the fixed config at the same block sizes (other block sizes may sum in another order),
+    # and within the fp32 tolerance of the reference.
+    p, ref = prepared_row
+    assert p.k8.shape[0] == 256  # keys padded to a multiple of KEY_PAD = 128
+    got = _run(p, config, keys)
+    if (config.block_n, config.block_k) == (128, 64):
+        base = _run(p, LogitsConfig(), 256)
+        assert torch.equal(got.view(torch.int32), base.view(torch.int32))
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert ((got[fin] - ref[fin]).norm() / ref[fin].norm()).item() <= 1e-5
+
+
+def test_logits_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match=r"LogitsConfig\.schedule"):
+        LogitsConfig(schedule="async")
+    with pytest.raises(ValueError, match=r"LogitsConfig\.key_mask"):
+        LogitsConfig(key_mask="never")
+    assert LogitsConfig(schedule="pipelined", key_mask="always").label == "n128/k64/w4/s3/pipe/mask"

@@ -18,30 +18,57 @@ from kernels import (
     reference_topk,
     topk_from_logits,
 )
-from tests.kernels._cases import SMALL, SMALL_TOPK, exact_inputs, packed_ranges, random_inputs
+from tests.kernels._cases import (
+    SMALL,
+    SMALL_TOPK,
+    SMALL_WARP,
+    SMALL_WARP_TOPK,
+    exact_inputs,
+    packed_ranges,
+    random_inputs,
+)
+
+BOTH = pytest.mark.parametrize("cfg", [SMALL, SMALL_WARP], ids=["cta+torch", "warp+bitonic"])
 
 
-@pytest.mark.parametrize(("topk", "select"), [(8, "radix"), (13, "radix"), (8, "bitwise")])
-def test_topk_matches_reference_on_kernel_logits(topk: int, select: str, device: str) -> None:
+@pytest.fixture(scope="module")
+def kernel_logits_row(device: str) -> tuple:
+    """A packed row of four documents and three empty queries: prepared inputs and its scores."""
     ks, ke = packed_ranges([120, 5, 90, 24], pad=3)
-    s = ks.numel()
-    q, k, w = random_inputs(s, 8, 64, seed=topk, device=device)
+    q, k, w = random_inputs(ks.numel(), 8, 64, seed=8, device=device)
     ks, ke = ks.to(device), ke.to(device)
+    return prepare_inputs(q, k, w, ks, ke), fp8_indexer_logits(q, k, w, ks, ke).cpu()
+
+
+@pytest.mark.parametrize(
+    ("topk", "select", "kernel", "order"),
+    [
+        (8, "radix", "cta", "torch"),
+        (13, "radix", "cta", "bitonic"),
+        (8, "bitwise", "cta", "torch"),
+        (8, "bitwise", "warp", "bitonic"),
+        (13, "bitwise", "warp", "torch"),
+    ],
+)
+def test_topk_matches_reference_on_kernel_logits(
+    kernel_logits_row: tuple, topk: int, select: str, kernel: str, order: str
+) -> None:
+    p, logits = kernel_logits_row
     stats: dict = {}
-    cfg = IndexerConfig(topk=dataclasses.replace(SMALL_TOPK, select=select))
-    got = indexer_topk_prepared(prepare_inputs(q, k, w, ks, ke), topk, cfg, stats=stats)
-    logits = fp8_indexer_logits(q, k, w, ks, ke).cpu()
-    assert torch.equal(got.cpu(), reference_topk(logits, ks.cpu(), ke.cpu(), topk))
+    topk_cfg = dataclasses.replace(SMALL_TOPK, select=select, kernel=kernel, order=order)
+    got = indexer_topk_prepared(p, topk, IndexerConfig(topk=topk_cfg), stats=stats)
+    assert torch.equal(got.cpu(), reference_topk(logits, p.ks.cpu(), p.ke.cpu(), topk))
     assert stats["fallback_rows"] == 0  # random scores: the sampled threshold always lands
 
 
-def test_exact_ties_go_to_the_lower_key_index(device: str) -> None:
+@BOTH
+def test_exact_ties_go_to_the_lower_key_index(cfg: IndexerConfig, device: str) -> None:
     ks, ke = packed_ranges([100, 77, 60])
     s = ks.numel()
     q, k, w = exact_inputs(s, 8, 32, seed=1, device=device, levels=1)
     k[1::2] = k[0::2][: k[1::2].shape[0]]  # every odd key repeats the even key before it
     ks, ke = ks.to(device), ke.to(device)
-    got = fp8_indexer_topk(q, k, w, ks, ke, 16, config=SMALL).cpu()
+    got = fp8_indexer_topk(q, k, w, ks, ke, 16, config=cfg).cpu()
     ref = reference_indexer_topk(q.cpu(), k.cpu(), w.cpu(), ks.cpu(), ke.cpu(), 16)
     assert torch.equal(got, ref)
     # the duplicates really tie and really are both selected somewhere, lower index first
@@ -50,41 +77,47 @@ def test_exact_ties_go_to_the_lower_key_index(device: str) -> None:
     assert bool((got[:, 1:][got[:, :-1] // 2 == got[:, 1:] // 2] % 2 == 1).all())
 
 
-def test_all_equal_scores_take_the_torch_path_and_keep_index_order(device: str) -> None:
+@BOTH
+def test_all_equal_scores_take_the_torch_path_and_keep_index_order(
+    cfg: IndexerConfig, device: str
+) -> None:
     ks, ke = packed_ranges([150, 40])
     s = ks.numel()
     logits = torch.full((s, s), 3.0, device=device)
     stats: dict = {}
-    got = topk_from_logits(logits, ks.to(device), ke.to(device), 8, config=SMALL, stats=stats).cpu()
+    got = topk_from_logits(logits, ks.to(device), ke.to(device), 8, config=cfg, stats=stats).cpu()
     assert torch.equal(got, reference_topk(logits.cpu(), ks, ke, 8))
     assert stats["fallback_rows"] > 0  # rows longer than CAP: every score ties with the threshold
     assert got[149].tolist() == list(range(8))
 
 
-def test_minus_zero_equals_plus_zero(device: str) -> None:
+@BOTH
+def test_minus_zero_equals_plus_zero(cfg: IndexerConfig, device: str) -> None:
     row = torch.tensor([0.0, -0.0, -1.0, 0.0, -0.0, 2.0, -0.0, -3.0] * 5)
     logits = row.repeat(3, 1).to(device)
     ks = torch.tensor([0, 0, 3], dtype=torch.int32)
     ke = torch.tensor([40, 7, 40], dtype=torch.int32)
-    got = topk_from_logits(logits, ks.to(device), ke.to(device), 6, config=SMALL).cpu()
+    got = topk_from_logits(logits, ks.to(device), ke.to(device), 6, config=cfg).cpu()
     assert got[1].tolist() == [5, 0, 1, 3, 4, 6]
     assert got[0].tolist() == [5, 13, 21, 29, 37, 0]
     assert torch.equal(got, reference_topk(logits.cpu(), ks, ke, 6))
 
 
-def test_sentinel_fills_short_and_empty_rows(device: str) -> None:
+@BOTH
+def test_sentinel_fills_short_and_empty_rows(cfg: IndexerConfig, device: str) -> None:
     ks = torch.tensor([0, 4, 9, 9, 0], dtype=torch.int32)
     ke = torch.tensor([3, 4, 10, 9, 20], dtype=torch.int32)
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(5, 20, generator=g).to(device)
-    got = topk_from_logits(logits, ks.to(device), ke.to(device), 5, config=SMALL).cpu()
+    got = topk_from_logits(logits, ks.to(device), ke.to(device), 5, config=cfg).cpu()
     assert (got[1] == 20).all() and (got[3] == 20).all()  # empty rows: all sentinel
     assert (got[0, 3:] == 20).all() and set(got[0, :3].tolist()) == {0, 1, 2}
     assert got[2].tolist() == [9, 20, 20, 20, 20]
     assert torch.equal(got, reference_topk(logits.cpu(), ks, ke, 5))
 
 
-def test_padded_keys_are_never_selected(device: str) -> None:
+@BOTH
+def test_padded_keys_are_never_selected(cfg: IndexerConfig, device: str) -> None:
     # Real scores all negative (negative weights, positive dots) while the zero keys that pad
     # S_k = 37 up to 48 would score 0: they must still never appear.
     s = 37
@@ -94,13 +127,14 @@ def test_padded_keys_are_never_selected(device: str) -> None:
     w = -torch.rand(s, 4, device=device) - 0.1
     ks = torch.zeros(s, dtype=torch.int32, device=device)
     ke = torch.full((s,), s, dtype=torch.int32, device=device)
-    got = fp8_indexer_topk(q, k, w, ks, ke, 40, config=SMALL).cpu()
+    got = fp8_indexer_topk(q, k, w, ks, ke, 40, config=cfg).cpu()
     assert (got[:, :s] < s).all() and (got[:, s:] == s).all()
     ref = reference_indexer_topk(q.cpu(), k.cpu(), w.cpu(), ks.cpu(), ke.cpu(), 40)
     assert torch.equal(got, ref)
 
 
-def test_rerank_and_fallback_paths_agree(device: str) -> None:
+@pytest.mark.parametrize("kernel", ["cta", "warp"])
+def test_rerank_and_fallback_paths_agree(kernel: str, device: str) -> None:
     # A one-pass budget and a single 16-score sample run force misses (flagged rows -> torch path); a wide
     # sample with three passes must give the same answer.
     ks, ke = packed_ranges([200])
@@ -108,7 +142,9 @@ def test_rerank_and_fallback_paths_agree(device: str) -> None:
     ks, ke = ks.to(device), ke.to(device)
     p = prepare_inputs(q, k, w, ks, ke)
     rough = IndexerConfig(
-        topk=TopkConfig(sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256)
+        topk=TopkConfig(
+            sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256, kernel=kernel
+        )
     )
     stats: dict = {}
     a = indexer_topk_prepared(p, 8, rough, stats=stats)
@@ -116,3 +152,61 @@ def test_rerank_and_fallback_paths_agree(device: str) -> None:
     assert stats["fallback_rows"] > 0
     assert torch.equal(a, b)
     assert SMALL_TOPK.max_passes == 3
+
+
+def test_one_row_programs_and_unaligned_rows_agree(device: str) -> None:
+    # The GPU geometry of the warp kernel (one row a program) and both load paths: the
+    # indexer's 16-aligned chunk rows (vector loads of whole 16-score groups, scores outside
+    # [ks, ke) read and ignored: here +inf, which would win if selected) and an unaligned
+    # 37-wide matrix (exact masks).
+    g = torch.Generator().manual_seed(12)
+    ks = torch.tensor([0, 3, 5, 17, 1, 30], dtype=torch.int32)
+    ke = torch.tensor([37, 20, 6, 33, 37, 30], dtype=torch.int32)
+    logits = torch.randn(6, 48, generator=g)
+    cols = torch.arange(48)[None, :]
+    outside = (cols < ks[:, None].long()) | (cols >= ke[:, None].long())
+    logits = torch.where(outside, torch.full_like(logits, float("inf")), logits).to(device)
+    ref = reference_topk(logits[:, :37].cpu(), ks, ke, 12)
+    one_row = IndexerConfig(topk=dataclasses.replace(SMALL_WARP_TOPK, rows_per_program=1))
+    aligned = topk_from_logits(logits, ks.to(device), ke.to(device), 12, config=one_row)
+    unaligned = topk_from_logits(
+        logits[:, :37].contiguous(), ks.to(device), ke.to(device), 12, config=one_row
+    )
+    assert torch.equal(aligned.cpu().clamp_max(37), ref)  # sentinel 48 vs 37
+    assert torch.equal(unaligned.cpu(), ref)
+
+
+def test_bitonic_order_equals_the_stable_sort() -> None:
+    # The order step alone: staging rows with duplicated keys (index order among them), the
+    # extreme keys and padding slots; the torch stable sort is the reference.
+    from kernels.order import finish_topk, order_topk
+    from kernels.topk import TopkWorkspace
+
+    g = torch.Generator().manual_seed(13)
+    rows, topk = 5, 12
+    cfg = dataclasses.replace(SMALL_WARP_TOPK, rows_per_program=2)
+    ws = TopkWorkspace.allocate(rows, topk, cfg, torch.device("cpu"))
+    k2 = ws.skey.shape[1]
+    keys = torch.randint(-3, 3, (rows, k2), generator=g, dtype=torch.int32)
+    keys[0, :4] = torch.tensor([2**31 - 1, -(2**31), 2**31 - 1, 0], dtype=torch.int32)
+    idx = torch.stack([torch.randperm(1000, generator=g)[:k2] for _ in range(rows)]).int()
+    idx = torch.sort(idx, dim=1).values  # staging rows are in index order
+    keys[3, 9:] = -(2**31)  # padding slots: (INT32_MIN, sentinel)
+    idx[3, 9:] = 1000
+    ws.skey.copy_(keys)
+    ws.sidx.copy_(idx)
+    out = torch.empty((rows, topk), dtype=torch.int32)
+    order_topk(ws, out, rows, topk, cfg)
+    assert torch.equal(out, finish_topk(ws, rows, topk))
+    assert out[3, 9:].tolist() == [1000] * 3
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("kernel", "block"), ("order", "radix"), ("warp_max_registers", 300), ("chunk", 24)],
+)
+def test_topk_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"TopkConfig\.{field}"):
+        TopkConfig(**{field: value})
+    with pytest.raises(ValueError, match="selects bitwise only"):
+        TopkConfig(kernel="warp", select="radix")

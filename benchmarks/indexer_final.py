@@ -1,0 +1,501 @@
+"""The final H200 measurement of issue 5's three targets (`bench_indexer.py --final`).
+
+    PYTHONPATH=. timeout 150 python3 benchmarks/bench_indexer.py --final --out $OUT/indexer
+    # here, afterwards (the device's RESULTS.md edits do not come back):
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_indexer.py --append-results DIR/indexer_final.json
+
+What it measures, most telling first, inside a wall-clock budget (`--budget-s`, default 125 s
+from the process start; a section or shape that would end past it is skipped and named):
+
+1. End to end at S = 64K, H = 64, causal (target: <= 45 ms): `fp8_indexer_topk` wall time
+   (quantize, checks, every chunk; synchronised) and the stage split (logits / select / order,
+   CUDA events) for the fixed config, for each top-k candidate with the fixed logits, and for
+   each logits candidate with the one-warp select + bitonic order; every combination's indices
+   are compared bitwise with the fixed config's.
+2. Logits at every issue shape needed for the targets (H = 64: S = 4K..64K, causal and packed;
+   H = 32: 4K and 128K, where run 2's worst ratios were; then the rest while time remains): every
+   config of the wider sweep (`indexer_peers.SWEEP_CONFIGS`) plus `LOGITS_CANDIDATES`, timed
+   interleaved (round-robin, alternating direction, each sample >= 3 ms of launches), medians.
+   Per shape: each config's time over the best (target: the fixed config within 1.05x at every
+   shape) and TFLOP/s counted as 2 H D (valid pairs) (target: >= 1000 at S >= 16K, H = 64).
+3. A bitwise check that the pipelined and unmasked logits kernels equal the run-2 kernel.
+
+Nothing here chooses a config for the kernels: `kernels` keeps its one fixed config, and this
+script reports which candidate meets which target so that the fixed config can be changed by
+evidence. Everything is written to --out after every shape (indexer_final.json with the
+RESULTS.md section under "markdown", indexer_final.md), so a run cut short keeps what finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from benchmarks.bench_indexer import (
+    TOPK,
+    D,
+    _warm_one,
+    logits_buffer,
+    logits_runner,
+    random_row,
+    row_ranges,
+)
+from benchmarks.indexer_peers import SWEEP_CONFIGS
+from kernels.fp8_indexer import (
+    FIXED_CONFIG,
+    IndexerConfig,
+    fp8_indexer_logits,
+    fp8_indexer_topk,
+    indexer_topk_prepared,
+    prepare_inputs,
+)
+from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
+from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
+
+TITLE = "fp8 indexer (issue 5): final candidates on the H200"
+
+# Candidate fixed logits configs (predictions in docs/KERNELS.md, "v4"). The first is the
+# committed fixed config; "/mask" is exactly run 2's kernel (masked key loads).
+LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
+    FIXED_LOGITS_CONFIG,
+    LogitsConfig(128, 64, 4, 3, key_mask="always"),
+    LogitsConfig(256, 64, 8, 3),
+    LogitsConfig(128, 64, 4, 3, schedule="pipelined"),
+    LogitsConfig(128, 64, 4, 2, schedule="pipelined"),
+    LogitsConfig(256, 64, 8, 3, schedule="pipelined"),
+)
+WARP_TOPK = TopkConfig(kernel="warp", block=512, chunk=512)
+TOPK_CANDIDATES: dict[str, TopkConfig] = {
+    "cta select + torch sort (fixed)": FIXED_TOPK_CONFIG,
+    "cta select + bitonic order": dataclasses.replace(FIXED_TOPK_CONFIG, order="bitonic"),
+    "warp select + torch sort": WARP_TOPK,
+    "warp select + bitonic order": dataclasses.replace(WARP_TOPK, order="bitonic"),
+}
+BEST_TOPK = "warp select + bitonic order"  # paired with every logits candidate end to end
+
+# (H, S, packed), most telling first: the target shapes, then the rest of run 2's table
+PRIORITY_SHAPES: tuple[tuple[int, int, bool], ...] = (
+    (64, 65536, False),
+    (64, 32768, False),
+    (64, 16384, False),
+    (64, 65536, True),
+    (64, 32768, True),
+    (64, 16384, True),
+    (64, 8192, False),
+    (64, 8192, True),
+    (64, 4096, False),
+    (64, 4096, True),
+    (32, 131072, False),
+    (32, 4096, False),
+    (32, 4096, True),
+    (32, 131072, True),
+)
+EXTRA_SHAPES: tuple[tuple[int, int, bool], ...] = (
+    (64, 131072, False),
+    (32, 32768, False),
+    (32, 65536, False),
+    (64, 131072, True),
+    (32, 8192, False),
+    (32, 16384, False),
+    (32, 32768, True),
+    (32, 65536, True),
+    (32, 8192, True),
+    (32, 16384, True),
+)
+EST_TFLOPS = 700.0  # for the time budget: a pessimistic rate for every config
+FAILURES: list[str] = []  # configs or combinations that raised; reported in the markdown
+
+
+def all_logits_configs() -> list[LogitsConfig]:
+    """The wider sweep plus the candidates, each once, in a stable order."""
+    out: list[LogitsConfig] = []
+    for c in (*LOGITS_CANDIDATES, *SWEEP_CONFIGS):
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def shape_name(h: int, s: int, packed: bool) -> str:
+    return f"H={h} S={s // 1024}K {'packed x6' if packed else 'causal'}"
+
+
+def valid_pairs(s: int, packed: bool) -> int:
+    ks, ke = row_ranges(s, packed)
+    return int((ke - ks).clamp_min(0).sum())
+
+
+# ----------------------------------------------------------------------------- pure summaries
+def summarize(shapes: list[dict], candidates: list[str]) -> list[dict]:
+    """Per candidate label: worst ratio to the best over the measured shapes, worst at S >= 16K,
+    mean ratio, lowest TFLOP/s at S >= 16K for H = 64, and the shapes where it is over 1.05."""
+    rows = []
+    for label in candidates:
+        ratios = [(r, r["ratio"][label]) for r in shapes if label in r["ratio"]]
+        if not ratios:
+            continue
+        big = [x for r, x in ratios if r["S"] >= 16384]
+        tf = [r["tflops"][label] for r, _ in ratios if r["S"] >= 16384 and r["H"] == 64]
+        rows.append(
+            {
+                "config": label,
+                "shapes": len(ratios),
+                "worst": max(x for _, x in ratios),
+                "worst_16k": max(big) if big else float("nan"),
+                "mean": statistics.fmean(x for _, x in ratios),
+                "min_tflops_h64_16k": min(tf) if tf else float("nan"),
+                "over_1_05": [r["name"] for r, x in ratios if x > 1.05],
+                "sum_ms": sum(r["ms"][label] for r, _ in ratios),
+            }
+        )
+    return rows
+
+
+def verdicts(summary: list[dict], e2e: list[dict]) -> list[str]:
+    """One line per target: which candidates meet it on this run's numbers."""
+    lines = []
+    ok1 = [r["config"] for r in summary if r["worst"] <= 1.05]
+    lines.append(
+        "target 1 (fixed config within 1.05x of the best at every measured shape): "
+        + (f"met by {', '.join(ok1)}" if ok1 else "met by no candidate")
+    )
+    ok2 = [r["config"] for r in summary if r["min_tflops_h64_16k"] >= 1000]
+    lines.append(
+        "target 2 (>= 1000 TFLOP/s at S >= 16K, H = 64): "
+        + (f"met by {', '.join(ok2)}" if ok2 else "met by no candidate")
+    )
+    if e2e:
+        best = min(e2e, key=lambda r: r["total_ms"])
+        lines.append(
+            f"target 3 (S = 64K, H = 64 end to end <= 45 ms): best {best['total_ms']:.1f} ms "
+            f"({best['logits']} + {best['topk']}): {'met' if best['total_ms'] <= 45 else 'missed'}"
+        )
+    return lines
+
+
+def _e2e_table(e2e: list[dict]) -> str:
+    headers = ["logits", "top-k", "total ms (wall)", "logits ms", "select ms", "order ms",
+               "fallback rows", "indices == fixed config's"]  # fmt: skip
+    rows = [
+        [r["logits"], r["topk"], f"{r['total_ms']:.2f}", f"{r['logits_ms']:.2f}",
+         f"{r['select_ms']:.2f}", f"{r['order_ms']:.2f}", r["fallback_rows"], r["same_as_fixed"]]
+        for r in e2e
+    ]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def _summary_table(summary: list[dict]) -> str:
+    headers = ["config", "shapes", "worst / best", "worst at S >= 16K", "mean",
+               "min TFLOP/s (H=64, S >= 16K)", "sum ms", "over 1.05 at"]  # fmt: skip
+    rows = [
+        [r["config"], r["shapes"], f"{r['worst']:.3f}", f"{r['worst_16k']:.3f}", f"{r['mean']:.3f}",
+         f"{r['min_tflops_h64_16k']:.0f}", f"{r['sum_ms']:.2f}", ", ".join(r["over_1_05"]) or "-"]
+        for r in summary
+    ]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def _shape_table(shapes: list[dict], cands: list[str]) -> str:
+    def cell(r: dict, c: str) -> str:
+        if c not in r["ms"]:
+            return "-"
+        return f"{r['ms'][c]:.3f} ({r['ratio'][c]:.3f}), {r['tflops'][c]:.0f}"
+
+    rows = [
+        [r["name"], f"{r['best']} ({r['ms'][r['best']]:.3f})"] + [cell(r, c) for c in cands]
+        for r in shapes
+    ]
+    return markdown_table(["shape", "best (ms)", *cands], rows)
+
+
+def final_markdown(result: dict[str, Any]) -> str:
+    """The RESULTS.md section of a final run."""
+    out = [
+        f"Measured {result['date']}; budget {result['budget_s']:.0f} s, "
+        f"used {result['elapsed_s']:.0f} s."
+    ]
+    if result.get("skipped"):
+        out.append("Skipped for time: " + "; ".join(result["skipped"]) + ".")
+    if result.get("failures"):
+        out.append("Failed (traceback in the log): " + "; ".join(result["failures"]) + ".")
+    out += [""] + [f"- {line}" for line in verdicts(result["summary"], result["e2e"])]
+    if result["e2e"]:
+        out += ["", "### End to end, S = 64K, H = 64, causal, topk 2048 (medians)", ""]
+        out.append(_e2e_table(result["e2e"]))
+        out.append(f"\nprepare (quantize + checks): {result['prepare_ms']:.2f} ms")
+    if result["summary"]:
+        out += ["", "### Candidate fixed logits configs over the measured shapes", ""]
+        out.append(_summary_table(result["summary"]))
+    if result["shapes"]:
+        out += ["", "### Logits per shape: ms (ratio to the best of all configs), TFLOP/s", ""]
+        out.append(_shape_table(result["shapes"], [c.label for c in LOGITS_CANDIDATES]))
+    if result.get("equal_logits") is not None:
+        out.append(
+            "\nlogits of the candidates at n128/k64 bitwise equal to run 2's kernel "
+            f"(4K packed, H=64): {result['equal_logits']}"
+        )
+    return "\n".join(out) + "\n"
+
+
+def append_final_results(path: Path) -> str:
+    """Append a final run's section (its indexer_final.json) to benchmarks/RESULTS.md."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"{path}: cannot read a final-run results file ({e}); pass the indexer_final.json "
+            "that `bench_indexer.py --final` wrote"
+        ) from e
+    for key in ("markdown", "command", "machine"):
+        if key not in result:
+            raise ValueError(f"{path}: no {key!r} key; not an indexer_final.json from --final")
+    append_result(TITLE, result["markdown"], command=result["command"], machine=result["machine"])
+    return result["markdown"]
+
+
+# ----------------------------------------------------------------------------- GPU measurement
+def time_interleaved(
+    runners: dict[str, Callable[[], None]], rounds: int, min_sample_ms: float = 3.0
+) -> dict[str, float]:
+    """Median device ms of each runner, sampled round-robin (direction alternating each round,
+    so slow drift such as clocks or temperature hits every runner alike); a sample repeats a
+    runner until it covers min_sample_ms, so short kernels are not timed at event resolution."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = {}
+    for name, fn in list(runners.items()):
+        try:
+            fn()  # warm (compiled up front; this loads the binary and touches the buffers)
+        except Exception as exc:  # a config that fails to compile or launch is named, not fatal
+            traceback.print_exc()
+            FAILURES.append(f"{name}: {exc!r}"[:300])
+            del runners[name]
+            continue
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        reps[name] = max(1, math.ceil(min_sample_ms / max(a.elapsed_time(b), 1e-3)))
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    names = list(runners)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            fn, n = runners[name], reps[name]
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            b.synchronize()
+            samples[name].append(a.elapsed_time(b) / n)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def measure_logits_shape(h: int, s: int, packed: bool, rounds: int) -> dict:
+    ks, ke = row_ranges(s, packed)
+    pairs = int((ke - ks).clamp_min(0).sum())
+    q, k, w = random_row(s, h, seed=s + h + packed)
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    configs = [c for c in all_logits_configs() if c.block_n >= h]
+    buf = logits_buffer(p)  # one chunk buffer for every config (up to 8 GiB)
+    ms = time_interleaved({c.label: logits_runner(p, c, buf) for c in configs}, rounds)
+    best = min(ms, key=ms.get)
+    flops = 2 * h * D * pairs
+    del p, q, k, w, buf
+    return {
+        "name": shape_name(h, s, packed),
+        "H": h,
+        "S": s,
+        "packed": packed,
+        "pairs": pairs,
+        "ms": ms,
+        "best": best,
+        "ratio": {c: v / ms[best] for c, v in ms.items()},
+        "tflops": {c: flops / (v * 1e9) for c, v in ms.items()},
+    }
+
+
+def e2e_combos() -> list[tuple[LogitsConfig, str]]:
+    """The fixed logits with every top-k candidate, then every other logits candidate with the
+    one-warp select and bitonic order."""
+    combos = [(FIXED_LOGITS_CONFIG, name) for name in TOPK_CANDIDATES]
+    combos += [(c, BEST_TOPK) for c in LOGITS_CANDIDATES if c != FIXED_LOGITS_CONFIG]
+    return combos
+
+
+def measure_e2e(s: int, h: int, rounds: int) -> tuple[list[dict], float]:
+    ks, ke = row_ranges(s, packed=False)
+    q, k, w = random_row(s, h, seed=1000 + s + h)
+    ks, ke = ks.cuda(), ke.cuda()
+    p = prepare_inputs(q, k, w, ks, ke)
+    fixed = indexer_topk_prepared(p, TOPK, FIXED_CONFIG)
+    rows, cfgs = [], []
+    for lc, tn in e2e_combos():
+        cfg = IndexerConfig(logits=lc, topk=TOPK_CANDIDATES[tn])
+        st: dict = {}
+        try:
+            idx = indexer_topk_prepared(p, TOPK, cfg, stats=st)
+        except Exception as exc:  # named in the output; the other combinations still run
+            traceback.print_exc()
+            FAILURES.append(f"{lc.label} + {tn}: {exc!r}"[:300])
+            continue
+        rows.append(
+            {"logits": lc.label, "topk": tn, "fallback_rows": st["fallback_rows"],
+             "same_as_fixed": bool(torch.equal(idx, fixed))}
+        )  # fmt: skip
+        cfgs.append(cfg)
+        del idx
+    del fixed
+    walls: list[list[float]] = [[] for _ in cfgs]
+    stages: list[list[dict]] = [[] for _ in cfgs]
+    order = list(range(len(cfgs)))
+    for r in range(rounds):
+        for i in order if r % 2 == 0 else order[::-1]:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fp8_indexer_topk(q, k, w, ks, ke, TOPK, config=cfgs[i])
+            torch.cuda.synchronize()
+            walls[i].append((time.perf_counter() - t0) * 1e3)
+            st = {"timing": True}
+            indexer_topk_prepared(p, TOPK, cfgs[i], stats=st)
+            stages[i].append(st)
+    for row, wall, st in zip(rows, walls, stages, strict=True):
+        row["total_ms"] = statistics.median(wall)
+        for key in ("logits_ms", "select_ms", "order_ms"):
+            row[key] = statistics.median(x.get(key, float("nan")) for x in st)
+    prep = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prepare_inputs(q, k, w, ks, ke)
+        torch.cuda.synchronize()
+        prep.append((time.perf_counter() - t0) * 1e3)
+    return rows, statistics.median(prep)
+
+
+def check_equal_logits() -> bool:
+    """Pipelined and unmasked kernels against run 2's masked serial kernel, bitwise (4K packed)."""
+    ks, ke = row_ranges(4096, packed=True)
+    q, k, w = random_row(4096, 64, seed=77)
+    ks, ke = ks.cuda(), ke.cuda()
+    base = fp8_indexer_logits(
+        q, k, w, ks, ke, config=IndexerConfig(logits=LogitsConfig(key_mask="always"))
+    )
+    same = True
+    for c in LOGITS_CANDIDATES:
+        if (c.block_n, c.block_k) != (128, 64):
+            continue
+        got = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=c))
+        same &= bool(torch.equal(got.view(torch.int32), base.view(torch.int32)))
+    return same
+
+
+def warm_final(workers: int) -> list[tuple[str, float]]:
+    """Compile every kernel the final run launches, in parallel worker processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [("logits", h, c) for h in (64, 32) for c in all_logits_configs() if c.block_n >= h]
+    jobs += [("topk", 64, c) for c in TOPK_CANDIDATES.values()]
+    ctx = torch.multiprocessing.get_context("spawn")
+    done = []
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
+        futures = [ex.submit(_warm_one, job) for job in jobs]
+        for job, fut in zip(jobs, futures, strict=True):
+            try:
+                done.append(fut.result())
+            except Exception as exc:  # the section that needs it reports the failure again
+                FAILURES.append(f"compile {job[0]} H={job[1]} {job[2]}: {exc!r}"[:300])
+    return done
+
+
+def _write(out: Path | None, result: dict) -> None:
+    result["elapsed_s"] = time.monotonic() - result["_t0"]
+    result["failures"] = list(FAILURES)
+    result["markdown"] = final_markdown(result)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    data = {k: v for k, v in result.items() if not k.startswith("_")}
+    (out / "indexer_final.json").write_text(json.dumps(data, indent=1, default=str))
+    (out / "indexer_final.md").write_text(result["markdown"])
+
+
+def run_final(out: Path | None, budget_s: float, workers: int, t0: float) -> dict:
+    """Sections 1-3 of the module docstring inside budget_s seconds from t0 (time.monotonic)."""
+    result: dict[str, Any] = {
+        "_t0": t0,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "command": command_line(),
+        "budget_s": budget_s,
+        "load": os.getloadavg(),
+        "e2e": [],
+        "prepare_ms": float("nan"),
+        "shapes": [],
+        "summary": [],
+        "skipped": [],
+        "equal_logits": None,
+    }
+    deadline = t0 + budget_s
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    t = time.monotonic()
+    result["compiled"] = warm_final(workers)
+    print(f"compiled {len(result['compiled'])} kernels in {time.monotonic() - t:.1f} s", flush=True)
+    try:
+        result["equal_logits"] = check_equal_logits()
+    except Exception as exc:  # named in the output; the measurements still run
+        traceback.print_exc()
+        FAILURES.append(f"logits equality check: {exc!r}"[:300])
+
+    try:
+        result["e2e"], result["prepare_ms"] = measure_e2e(65536, 64, rounds=5)
+    except Exception as exc:  # named in the output; the shapes still run
+        traceback.print_exc()
+        FAILURES.append(f"end to end: {exc!r}"[:300])
+    gc.collect()
+    torch.cuda.empty_cache()
+    _write(out, result)
+    print(final_markdown(result), flush=True)
+
+    n_cfg = len(all_logits_configs())
+    for h, s, packed in (*PRIORITY_SHAPES, *EXTRA_SHAPES):
+        rounds = 5 if s <= 65536 else 3
+        est_s = 2 * h * D * valid_pairs(s, packed) / (EST_TFLOPS * 1e12) * n_cfg * (rounds + 2)
+        if est_s + 3.0 > left():
+            result["skipped"].append(shape_name(h, s, packed))
+            continue
+        try:
+            r = measure_logits_shape(h, s, packed, rounds)
+        except Exception as exc:  # named in the output; the other shapes still run
+            traceback.print_exc()
+            FAILURES.append(f"{shape_name(h, s, packed)}: {exc!r}"[:300])
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        result["shapes"].append(r)
+        result["summary"] = summarize(result["shapes"], [c.label for c in LOGITS_CANDIDATES])
+        print(
+            json.dumps(
+                {k: r[k] for k in ("name", "best")}
+                | {"fixed": r["ratio"][FIXED_LOGITS_CONFIG.label]}
+            ),
+            flush=True,
+        )
+        gc.collect()
+        torch.cuda.empty_cache()
+        _write(out, result)
+    _write(out, result)
+    return result

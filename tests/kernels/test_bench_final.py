@@ -1,0 +1,94 @@
+"""bench_indexer.py --final on CPU: the summaries, verdicts and RESULTS.md round trip (no GPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import benchmarks._results as results_module
+from benchmarks.indexer_final import (
+    LOGITS_CANDIDATES,
+    TITLE,
+    append_final_results,
+    e2e_combos,
+    final_markdown,
+    summarize,
+    verdicts,
+)
+from kernels import FIXED_LOGITS_CONFIG
+
+FIXED = FIXED_LOGITS_CONFIG.label
+PIPE = "n128/k64/w4/s3/pipe"
+
+
+def _shape(h: int, s: int, ms: dict[str, float]) -> dict:
+    best = min(ms, key=ms.get)
+    flops = 2 * h * 128 * s * s / 2
+    return {
+        "name": f"H={h} S={s // 1024}K causal",
+        "H": h,
+        "S": s,
+        "ms": ms,
+        "best": best,
+        "ratio": {c: v / ms[best] for c, v in ms.items()},
+        "tflops": {c: flops / (v * 1e9) for c, v in ms.items()},
+    }
+
+
+SHAPES = [
+    _shape(64, 4096, {FIXED: 0.20, PIPE: 0.205, "n256/k64/w8/s3": 0.21}),
+    _shape(64, 65536, {FIXED: 39.5, PIPE: 33.0, "n256/k64/w8/s3": 37.4}),
+]
+E2E = [
+    {"logits": FIXED, "topk": "fixed", "total_ms": 59.0, "logits_ms": 39.5, "select_ms": 16.3,
+     "order_ms": 5.6, "fallback_rows": 0, "same_as_fixed": True},
+    {"logits": PIPE, "topk": "warp", "total_ms": 44.2, "logits_ms": 33.0, "select_ms": 6.0,
+     "order_ms": 3.1, "fallback_rows": 0, "same_as_fixed": True},
+]  # fmt: skip
+
+
+def test_summary_and_verdicts_name_the_candidates_that_meet_each_target() -> None:
+    summary = summarize(SHAPES, [FIXED, PIPE, "n256/k64/w8/s3"])
+    by = {r["config"]: r for r in summary}
+    assert by[FIXED]["worst"] == pytest.approx(39.5 / 33.0)
+    assert by[FIXED]["over_1_05"] == ["H=64 S=64K causal"]
+    assert by[PIPE]["worst"] == pytest.approx(1.025) and by[PIPE]["over_1_05"] == []
+    assert by[PIPE]["min_tflops_h64_16k"] == pytest.approx(2 * 64 * 128 * 65536**2 / 2 / 33e9)
+    lines = verdicts(summary, E2E)
+    assert lines[0].endswith(f"met by {PIPE}")
+    assert "met by no candidate" not in lines[1]  # 33 ms at 64K is ~1041 TFLOP/s
+    assert "44.2 ms" in lines[2] and lines[2].endswith("met")
+
+
+def test_markdown_and_append_results_round_trip(tmp_path: Path, monkeypatch) -> None:
+    result = {
+        "date": "2026-12-02 18:00 UTC", "budget_s": 130.0, "elapsed_s": 98.0,
+        "skipped": ["H=32 S=16K packed x6"], "e2e": E2E, "prepare_ms": 0.9, "shapes": SHAPES,
+        "summary": summarize(SHAPES, [c.label for c in LOGITS_CANDIDATES]), "equal_logits": True,
+    }  # fmt: skip
+    md = final_markdown(result)
+    assert "| n128/k64/w4/s3/pipe | warp | 44.20 |" in md
+    assert "Skipped for time: H=32 S=16K packed x6." in md
+    assert "bitwise equal to run 2's kernel (4K packed, H=64): True" in md
+    saved = tmp_path / "indexer_final.json"
+    saved.write_text(
+        json.dumps(
+            {"markdown": md, "command": "python bench_indexer.py --final", "machine": "H200"}
+        )
+    )
+    monkeypatch.setattr(results_module, "RESULTS_MD", tmp_path / "RESULTS.md")
+    assert append_final_results(saved) == md
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert f"## {TITLE}" in text and "- machine: H200" in text and "--final" in text
+    saved.write_text(json.dumps({"markdown": md}))
+    with pytest.raises(ValueError, match="no 'command' key"):
+        append_final_results(saved)
+
+
+def test_e2e_combos_cover_every_candidate_once() -> None:
+    combos = e2e_combos()
+    assert len(set(combos)) == len(combos)
+    assert {lc for lc, _ in combos} == set(LOGITS_CANDIDATES)
+    assert combos[0] == (FIXED_LOGITS_CONFIG, "cta select + torch sort (fixed)")
