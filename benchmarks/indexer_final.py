@@ -65,7 +65,7 @@ from kernels.fp8_indexer import (
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
 from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
 
-TITLE = "fp8 indexer (issue 5): final candidates on the H200"
+TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 
 # Candidate fixed logits configs (predictions in docs/KERNELS.md, "v4"). The first is the
 # committed fixed config; "/mask" is exactly run 2's kernel (masked key loads).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,15 @@ def _has_cuda() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+# Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when the module that
+# defines it is first imported, by whichever test module happens to import it first (the e2e
+# benchmark tests import Triton kernels too). So it is set here, before any test module is
+# imported, and only where no GPU is visible: there the kernels run on CPU through the
+# interpreter; on a GPU machine the same tests run the compiled kernels.
+if not _has_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
