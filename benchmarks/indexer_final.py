@@ -77,11 +77,12 @@ LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
     LogitsConfig(128, 64, 4, 2, schedule="pipelined"),
     LogitsConfig(256, 64, 8, 3, schedule="pipelined"),
 )
-WARP_TOPK = TopkConfig(kernel="warp", block=512, chunk=512)
+WARP_TOPK = FIXED_TOPK_CONFIG  # the one-warp select, block 512, chunk 512
+CTA_TOPK = TopkConfig()  # run 2's fixed top-k
 TOPK_CANDIDATES: dict[str, TopkConfig] = {
-    "cta select + torch sort (fixed)": FIXED_TOPK_CONFIG,
-    "cta select + bitonic order": dataclasses.replace(FIXED_TOPK_CONFIG, order="bitonic"),
-    "warp select + torch sort": WARP_TOPK,
+    "warp select + torch sort (fixed)": WARP_TOPK,
+    "cta select + torch sort (run 2)": CTA_TOPK,
+    "cta select + bitonic order": dataclasses.replace(CTA_TOPK, order="bitonic"),
     "warp select + bitonic order": dataclasses.replace(WARP_TOPK, order="bitonic"),
 }
 BEST_TOPK = "warp select + bitonic order"  # paired with every logits candidate end to end

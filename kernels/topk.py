@@ -27,7 +27,7 @@ equal keys: exactly the contract; "bitonic" sorts (key32 << 32 | 2^31-1-index) i
 descending in one Triton program a row (values distinct: the contract's order, no stability).
 Flagged rows are finished by `topk_rows_torch` (exact and deterministic, slower).
 
-Steps 1-3 run CTA-wide (`TopkConfig.kernel="cta"`, 8 warps a row, the fixed config) or in one
+Steps 1-3 run CTA-wide (`TopkConfig.kernel="cta"`, 8 warps a row, run 2's fixed config) or in one
 warp a row ("warp": same algorithm and output; counts and scans are shuffles, no barriers, 12
 programs an SM; see `_select_kernel`).
 
@@ -147,7 +147,10 @@ class TopkConfig:
         return f"{head} sample={self.sample}, {order}"
 
 
-FIXED_TOPK_CONFIG = TopkConfig()
+# The one-warp select with the stable torch sort: same indices as the CTA kernel (checked
+# bitwise end to end), select 16.9 -> 10.4 ms and the whole 64K/H=64 call 57.4 -> 51.6 ms in
+# the candidates run (benchmarks/RESULTS.md, "final candidates"; H100 SXM).
+FIXED_TOPK_CONFIG = TopkConfig(kernel="warp", block=512, chunk=512)
 
 
 @triton.jit

@@ -91,4 +91,4 @@ def test_e2e_combos_cover_every_candidate_once() -> None:
     combos = e2e_combos()
     assert len(set(combos)) == len(combos)
     assert {lc for lc, _ in combos} == set(LOGITS_CANDIDATES)
-    assert combos[0] == (FIXED_LOGITS_CONFIG, "cta select + torch sort (fixed)")
+    assert combos[0] == (FIXED_LOGITS_CONFIG, "warp select + torch sort (fixed)")
