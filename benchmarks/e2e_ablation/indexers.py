@@ -5,7 +5,7 @@ All three implement `kernels.fp8_indexer.fp8_indexer_topk`'s contract. What diff
 arms 3 and 4 is only the launch configuration:
 
 - `fixed` (arm 4, and arms 1 and 2): `kernels.FIXED_CONFIG`, one compiled kernel for every
-  row length (keys padded to 16 inside the kernel's launcher).
+  row length (keys padded to 128 inside the kernel's launcher).
 - `autotuned` (arm 3): what a Triton indexer with `@triton.autotune(key=[seq_len])` does.
   On the first call with a new (queries, keys) shape it times every candidate config on the
   real inputs with `triton.testing.do_bench(warmup=25, rep=100)` (the autotuner's defaults),
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -259,3 +260,22 @@ class _PeerIndexer(Indexer):
                     torch.cuda.synchronize(q.device)
                 self.tune_seconds += time.perf_counter() - t0
         return out
+
+
+def self_check_problem(
+    heads: int, dim: int, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, w, ks, ke) on the CPU: a packed row of documents 300, 200 and 100 long followed by
+    40 padding positions (empty ranges), the start-up check of an indexer against the reference."""
+    g = torch.Generator().manual_seed(seed)
+    docs, pad = [300, 200, 100], 40
+    n = sum(docs)
+    q = torch.randn(n + pad, heads, dim, generator=g).bfloat16()
+    k = torch.randn(n + pad, dim, generator=g).bfloat16()
+    w = torch.randn(n + pad, heads, generator=g)
+    starts = np.repeat(np.cumsum([0, *docs[:-1]]), docs)
+    ks = torch.tensor(np.concatenate([starts, np.arange(n, n + pad)]), dtype=torch.int32)
+    ke = torch.tensor(
+        np.concatenate([np.arange(1, n + 1), np.arange(n, n + pad)]), dtype=torch.int32
+    )
+    return q, k, w, ks, ke

@@ -98,20 +98,10 @@ def self_checks(run: RunConfig, device: torch.device) -> tuple[Any, dict[str, st
     checks: dict[str, str] = {}
     m = run.model
     if run.indexer == "kernel":
+        from benchmarks.e2e_ablation.indexers import self_check_problem
         from kernels import fp8_indexer_topk, reference_indexer_topk
 
-        g = torch.Generator().manual_seed(1)
-        docs, pad = [300, 200, 100], 40
-        s = sum(docs) + pad
-        q = torch.randn(s, m.index_heads, m.index_dim, generator=g).bfloat16()
-        k = torch.randn(s, m.index_dim, generator=g).bfloat16()
-        w = torch.randn(s, m.index_heads, generator=g)
-        starts = np.repeat(np.cumsum([0, *docs[:-1]]), docs)
-        ks = torch.tensor(np.concatenate([starts, np.arange(sum(docs), s)]), dtype=torch.int32)
-        ke = torch.tensor(
-            np.concatenate([np.arange(1, sum(docs) + 1), np.arange(sum(docs), s)]),
-            dtype=torch.int32,
-        )
+        q, k, w, ks, ke = self_check_problem(m.index_heads, m.index_dim)
         got = fp8_indexer_topk(
             q.to(device), k.to(device), w.to(device), ks.to(device), ke.to(device), 64
         ).cpu()

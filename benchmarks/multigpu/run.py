@@ -159,6 +159,7 @@ def self_checks(
     """(attention impl, Triton CE?, messages): the e2e kernels' self-checks on every rank, agreed
     over the world (a kernel is used only where it passed everywhere), and the indexer against
     the windowed torch reference on a small packed problem."""
+    from benchmarks.e2e_ablation.indexers import self_check_problem
     from benchmarks.multigpu.cp_model import windowed_reference_topk
 
     m = run.model
@@ -176,17 +177,7 @@ def self_checks(
     flags = torch.tensor([int(attn_ok), int(ce_ok)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     attention = "triton" if int(flags[0]) else "torch"
-    g = torch.Generator().manual_seed(1)
-    docs, pad = [300, 200, 100], 40
-    s = sum(docs) + pad
-    q = torch.randn(s, m.index_heads, m.index_dim, generator=g).bfloat16()
-    k = torch.randn(s, m.index_dim, generator=g).bfloat16()
-    w = torch.randn(s, m.index_heads, generator=g)
-    starts = np.repeat(np.cumsum([0, *docs[:-1]]), docs)
-    ks = torch.tensor(np.concatenate([starts, np.arange(sum(docs), s)]), dtype=torch.int32)
-    ke = torch.tensor(
-        np.concatenate([np.arange(1, sum(docs) + 1), np.arange(sum(docs), s)]), dtype=torch.int32
-    )
+    q, k, w, ks, ke = self_check_problem(m.index_heads, m.index_dim)
     got = indexer_fn(*(x.to(device) for x in (q, k, w, ks, ke)), 64).cpu()
     ref = windowed_reference_topk(q, k, w, ks, ke, 64)
     notes["indexer_vs_reference_slots_identical"] = float((got == ref).float().mean())
