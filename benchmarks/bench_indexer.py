@@ -3,12 +3,14 @@
     python benchmarks/bench_indexer.py [--out DIR] [--quick] [--no-append]
     python benchmarks/bench_indexer.py --final --out DIR [--budget-s 125]   # benchmarks/indexer_final.py
     python benchmarks/bench_indexer.py --append-results DIR/indexer_final.json   # no GPU needed
+    python benchmarks/bench_indexer.py --append-results DIR   # a plain run's --out folder
 
 One run measures, for S in {4K..128K}, H in {64, 32}, D = 128, topk = 2048, and two rows (one
 causal document; a packed row of six documents):
 - TFLOP/s of the logits kernel, counted as 2*H*D*(valid (query, key) pairs);
-- logits ms, top-k ms (select kernel + stable sort + fallback), end-to-end ms (quantize, checks,
-  every chunk; wall clock from the host, synchronised);
+- logits ms, top-k ms (select kernel + stable sort + fallback; each on one stream), end-to-end
+  ms (quantize, checks, every chunk; wall clock from the host, synchronised) with the fixed
+  config's chunk overlap and without it;
 - fixed / best: the fixed config's logits time over the best of `SWEEP_CONFIGS` (the wider
   sweep, benchmarks/indexer_peers.py) at that shape, both measured in the same loop;
 plus a top-k config sweep at S=64K, torch.topk over full logits at S=32K for scale, and the
@@ -59,14 +61,15 @@ TOPK = 2048
 SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
 HEADS = [64, 32]
 DOC_FRACTIONS = [0.30, 0.05, 0.20, 0.10, 0.25, 0.10]  # the packed row: six documents
+# Top-k kernels compared at S=64K (each with the stable torch sort; chunks on one stream): the
+# committed one-warp select first, then run 2's CTA-wide selects.
 TOPK_SWEEP = [
+    FIXED_CONFIG.topk,
     TopkConfig(select="bitwise", rows_per_program=1, num_warps=8, block=2048),
     TopkConfig(select="radix", rows_per_program=1, num_warps=8, block=2048),
-    TopkConfig(select="bitwise", rows_per_program=2, num_warps=8, block=2048),
-    TopkConfig(select="bitwise", rows_per_program=2, num_warps=16, block=4096),
-    TopkConfig(select="radix", rows_per_program=1, num_warps=16, block=4096),
     TopkConfig(select="bitwise", rows_per_program=1, num_warps=16, block=4096),
 ]
+BENCH_TITLE = "fp8 indexer (issue 5): fixed config vs sweep, top-k, varied rows"
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -189,11 +192,15 @@ def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool, cfg: Index
     p = prepare_inputs(q, k, w, ks, ke)
     res: dict = {"S": s, "H": h, "row": "packed x6" if packed else "causal", "pairs": pairs}
 
+    serial = dataclasses.replace(cfg, overlap="none")
     res["e2e_ms"] = wall_ms(lambda: fp8_indexer_topk(q, k, w, ks, ke, TOPK, config=cfg), reps)
-    stage = []
+    res["e2e_serial_ms"] = wall_ms(
+        lambda: fp8_indexer_topk(q, k, w, ks, ke, TOPK, config=serial), reps
+    )
+    stage = []  # the stage split on one stream: each kernel's own time, not contended
     for _ in range(reps):
         st = {"timing": True}
-        indexer_topk_prepared(p, TOPK, cfg, stats=st)
+        indexer_topk_prepared(p, TOPK, serial, stats=st)
         stage.append(st)
     for key in ("logits_ms", "select_ms", "order_ms", "topk_ms"):
         res[key] = statistics.median(x[key] for x in stage)
@@ -224,7 +231,7 @@ def bench_topk_sweep(s: int, reps: int) -> tuple[list[list], TopkConfig]:
     rows = []
     first = None
     for cfg in TOPK_SWEEP:
-        icfg = dataclasses.replace(FIXED_CONFIG, topk=cfg)
+        icfg = dataclasses.replace(FIXED_CONFIG, topk=cfg, overlap="none")
         runs = []
         for _ in range(reps + 1):
             st = {"timing": True}
@@ -323,7 +330,8 @@ def guarded(name: str, fn):
 
 def shape_table(results: list[dict]) -> str:
     headers = ["H", "row", "S", "valid pairs", "logits ms", "TFLOP/s", "top-k ms (select + order)",
-               "total ms", "fixed/best", "best of sweep", "fallback rows"]  # fmt: skip
+               "total ms", "total ms, one stream", "fixed/best", "best of sweep",
+               "fallback rows"]  # fmt: skip
     rows = [
         [
             r["H"],
@@ -334,6 +342,7 @@ def shape_table(results: list[dict]) -> str:
             f"{r['tflops']:.0f}",
             f"{r['topk_ms']:.2f} ({r['select_ms']:.2f} + {r['order_ms']:.2f})",
             f"{r['e2e_ms']:.2f}",
+            f"{r['e2e_serial_ms']:.2f}" if "e2e_serial_ms" in r else "-",
             f"{r.get('fixed_over_best', float('nan')):.3f}",
             r.get("best_config", "-"),
             r["fallback_rows"],
@@ -367,10 +376,14 @@ def main() -> None:
         "--append-results",
         type=Path,
         metavar="FILE",
-        help="append a --final run's indexer_final.json to benchmarks/RESULTS.md (no GPU needed)",
+        help="append a --final run's indexer_final.json, or a plain run's --out folder, to "
+        "benchmarks/RESULTS.md (no GPU needed)",
     )
     args = ap.parse_args()
     if args.append_results is not None:
+        if args.append_results.is_dir():
+            print(append_bench_results(args.append_results))
+            return
         from benchmarks.indexer_final import append_final_results
 
         print(append_final_results(args.append_results))
@@ -394,21 +407,21 @@ def main() -> None:
         flush=True,
     )
 
-    cfg = FIXED_CONFIG
+    cfg = FIXED_CONFIG  # every table below measures the committed fixed config
     body = ""
     if not args.quick:
         swept = guarded("top-k sweep", lambda: bench_topk_sweep(65536, args.reps))
         if swept:
             tk, best_topk = swept
-            cfg = dataclasses.replace(FIXED_CONFIG, topk=best_topk)
             body += (
-                "### Top-k configs at S=64K, H=64, causal (select kernel; stable sort + gather)\n\n"
+                "### Top-k configs at S=64K, H=64, causal (select kernel; stable sort + gather;"
+                " one stream)\n\n"
             )
             body += markdown_table(
                 ["config", "select ms", "order ms", "top-k ms", "fallback rows", "same indices"], tk
             )
-            body += f"\n\nfastest, used below: {topk_label(best_topk)}"
-            body += f" (committed default: {topk_label(FIXED_CONFIG.topk)})\n\n"
+            body += f"\n\nfastest: {topk_label(best_topk)}"
+            body += f"; committed, used below: {topk_label(FIXED_CONFIG.topk)}\n\n"
     print(body, flush=True)
     results = []
     for h in HEADS:
@@ -426,7 +439,13 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in r.items() if k != "sweep_ms"}), flush=True)
                 if out:
                     (out / "indexer_shapes.json").write_text(json.dumps(results, indent=1))
-    body += f"### Fixed config {label(cfg.logits)}, topk {TOPK}, D 128\n\n"
+    body += (
+        f"### Fixed config {label(cfg.logits)}, top-k {topk_label(cfg.topk)}, chunk overlap "
+        f"{cfg.overlap}; topk {TOPK}, D 128\n\n"
+        "total = wall clock of `fp8_indexer_topk` (quantize, checks, every chunk); one stream = "
+        "the same without the chunk overlap; logits and top-k columns are each kernel's own time "
+        "on one stream\n\n"
+    )
     body += shape_table(results) + "\n"
     extra: dict = {"topk_config": topk_label(cfg.topk)}
     if not args.quick:
@@ -464,7 +483,21 @@ def main() -> None:
             json.dumps({"machine": machine_description(), "command": command_line()})
         )
     if not args.no_append:
-        append_result("fp8 indexer (issue 5): fixed config vs sweep, top-k, varied rows", body)
+        append_result(BENCH_TITLE, body)
+
+
+def append_bench_results(folder: Path) -> str:
+    """Append a device run's tables (DIR/indexer_bench.md + indexer_meta.json) to RESULTS.md."""
+    try:
+        body = (folder / "indexer_bench.md").read_text()
+        meta = json.loads((folder / "indexer_meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"{folder}: no readable indexer_bench.md + indexer_meta.json ({e}); pass the --out "
+            "folder of a `bench_indexer.py` run"
+        ) from e
+    append_result(BENCH_TITLE, body, command=meta["command"], machine=meta["machine"])
+    return body
 
 
 if __name__ == "__main__":

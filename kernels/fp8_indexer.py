@@ -29,7 +29,9 @@ zero scale, never inside any [ks, ke); whole 64/128-key tiles need no bound mask
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -45,6 +47,7 @@ from kernels.topk import (
     topk_rows_torch,
 )
 
+_EXACT_BYTES_PER_SCORE = 40  # topk_rows_torch: int64 keys, masked copy, sort values + indices
 KEY_PAD = 128  # keys padded to a multiple of this: every key tile (block_k <= 128) is whole
 COL_ALIGN = 16  # chunk key windows start and end on multiples of this (16-float rows)
 
@@ -55,12 +58,19 @@ class IndexerConfig:
 
     logits: LogitsConfig = FIXED_LOGITS_CONFIG
     topk: TopkConfig = FIXED_TOPK_CONFIG
-    max_chunk_bytes: int = 8 << 30
+    max_chunk_bytes: int = 8 << 30  # logits + top-k workspace of the chunks in flight
+    # "none": every kernel on the current stream; "stream": chunk i's top-k on a second stream
+    # while chunk i+1's logits run; "priority": the same with the second stream at high priority
+    overlap: Literal["none", "stream", "priority"] = "priority"
 
     def __post_init__(self) -> None:
         if self.max_chunk_bytes < 1:
             raise ValueError(
                 f"IndexerConfig.max_chunk_bytes={self.max_chunk_bytes}: must be positive"
+            )
+        if self.overlap not in ("none", "stream", "priority"):
+            raise ValueError(
+                f"IndexerConfig.overlap={self.overlap!r}: must be 'none', 'stream' or 'priority'"
             )
 
 
@@ -209,22 +219,35 @@ def indexer_topk_prepared(
 ) -> torch.Tensor:
     """Top-k on prepared inputs.
 
+    Chunks run heaviest first (most in-range scores: the last chunk's top-k is the one that
+    nothing overlaps). With `config.overlap` on a GPU, chunk i's select and order run on a
+    second stream while chunk i+1's logits run (two logits buffers, each planned under half of
+    `max_chunk_bytes`). Rows the select flags are finished after the last chunk: their logits
+    are recomputed (bitwise the same scores) and ordered by `topk_rows_torch`.
+
     `stats`, if given, accumulates `fallback_rows` and `chunks`, and with `stats["timing"] = True`
-    also `logits_ms`, `select_ms` (the select kernel), `order_ms` (stable sort, gather and any
-    fallback rows) and `topk_ms` = select + order, from CUDA events (one sync at the end).
+    also `logits_ms`, `select_ms` (the select kernel), `order_ms` (order step) and `topk_ms` =
+    select + order, from CUDA events (one sync at the end; with overlap the stages run
+    concurrently and add up to more than the wall time).
     `launch` replaces the logits launcher (benchmarks/indexer_peers.py passes its autotuned one).
     """
     if topk < 1:
         raise ValueError(f"topk={topk}: must be >= 1")
     dev = p.q8.device
+    streams = _Streams.create(dev, config.overlap)
     out = torch.empty((p.s_q, topk), dtype=torch.int32, device=dev)
+    status = torch.zeros(p.s_q, dtype=torch.int32, device=dev)
     extra = TopkWorkspace.bytes_per_row(topk, config.topk)
-    chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, config.max_chunk_bytes)
+    s_kp = p.k8.shape[0]
+    chunks = plan_chunks(p.ks_host, p.ke_host, s_kp, extra, config.max_chunk_bytes // streams.n_buf)
+    chunks.sort(key=lambda c: -_chunk_work(p.ks_host, p.ke_host, c))  # stable: ties keep order
     max_rows = max((r1 - r0 for r0, r1, _, _ in chunks), default=0)
     max_width = max((w for _, _, _, w in chunks), default=COL_ALIGN)
-    buf = torch.empty(max_rows * max_width, dtype=torch.float32, device=dev)
+    bufs = [
+        torch.empty(max_rows * max_width, dtype=torch.float32, device=dev)
+        for _ in range(streams.n_buf)
+    ]
     ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
-    fallback = 0
     timing = bool(stats and stats.get("timing")) and dev.type == "cuda"
     marks: list[list[torch.cuda.Event]] = []
 
@@ -233,19 +256,29 @@ def indexer_topk_prepared(
             marks[-1].append(torch.cuda.Event(enable_timing=True))
             marks[-1][-1].record()
 
-    for r0, r1, col0, width in chunks:
+    for j, (r0, r1, col0, width) in enumerate(chunks):
         n = r1 - r0
-        logits = buf[: n * width].view(n, width)
+        logits = bufs[j % streams.n_buf][: n * width].view(n, width)
         marks.append([])
+        streams.before_logits(j)
         mark()
         launch(
             p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
             heads=p.heads, row0=r0, n_rows=n, col0=col0, config=config.logits,
         )  # fmt: skip
-        mark()
-        fallback += _select_and_order(
-            logits, col0, p.ks, p.ke, ws, out, r0, topk, p.s_k, config.topk, mark
-        )
+        with streams.topk_side(j):
+            mark()
+            launch_select(
+                logits, col0, p.ks, p.ke, ws.with_status(status[r0:r1]),
+                topk=topk, row0=r0, n_rows=n, sentinel=p.s_k, config=config.topk,
+            )  # fmt: skip
+            mark()
+            order_topk(ws, out[r0:r1], n, topk, config.topk)
+            mark()
+    streams.join()
+    bufs.clear()  # the exact path below plans its own memory under the same bound
+    del ws
+    fallback = _finish_flagged_rows(p, status, out, topk, config, launch)
     if timing:
         torch.cuda.synchronize()
         for name, i in (("logits_ms", 0), ("select_ms", 1), ("order_ms", 2)):
@@ -257,35 +290,97 @@ def indexer_topk_prepared(
     return out
 
 
-def _select_and_order(
-    logits: torch.Tensor,
-    col0: int,
-    ks: torch.Tensor,
-    ke: torch.Tensor,
-    ws: TopkWorkspace,
-    out: torch.Tensor,
-    r0: int,
-    topk: int,
-    sentinel: int,
-    config: TopkConfig,
-    mark: Callable[[], None] = lambda: None,
-) -> int:
-    """Top-k of the chunk's rows into out[r0 : r0 + rows]; returns how many rows took the torch path.
+def _chunk_work(ks: np.ndarray, ke: np.ndarray, chunk: tuple[int, int, int, int]) -> int:
+    """In-range (query, key) pairs of a chunk: what its logits and its select cost."""
+    r0, r1 = chunk[0], chunk[1]
+    return int(np.maximum(ke[r0:r1] - ks[r0:r1], 0).sum())
 
-    `mark()` is called after the select kernel and at the end (the timing hook).
+
+@dataclass
+class _Streams:
+    """Where each chunk's kernels go: all on the current stream, or the top-k on a side stream.
+
+    With a side stream, chunk j's logits (current stream) wait until the top-k of chunk j - 2
+    has read the buffer they overwrite, and chunk j's top-k waits for its logits. `priority`
+    makes the side stream the higher-priority one, so that its small select programs take SM
+    slots as the logits programs of the next chunk retire instead of after all of them.
     """
-    n = logits.shape[0]
-    launch_select(
-        logits, col0, ks, ke, ws, topk=topk, row0=r0, n_rows=n, sentinel=sentinel, config=config
-    )
-    mark()
-    order_topk(ws, out[r0 : r0 + n], n, topk, config)
-    bad = torch.nonzero(ws.status[:n]).flatten()
-    if bad.numel():
-        rows = bad + r0
-        out[rows] = topk_rows_torch(logits[bad], col0, ks[rows], ke[rows], topk, sentinel)
-    mark()
-    return int(bad.numel())
+
+    n_buf: int
+    side: torch.cuda.Stream | None = None
+    main: torch.cuda.Stream | None = None
+    freed: list = field(default_factory=list)  # per buffer: the event after its last top-k
+
+    @classmethod
+    def create(cls, dev: torch.device, overlap: str) -> _Streams:
+        if dev.type != "cuda" or overlap == "none":
+            return cls(n_buf=1)
+        priority = -(1 << 20) if overlap == "priority" else 0  # torch maps it to the highest
+        side = torch.cuda.Stream(device=dev, priority=priority)
+        return cls(n_buf=2, side=side, main=torch.cuda.current_stream(dev), freed=[None, None])
+
+    def before_logits(self, j: int) -> None:
+        ev = self.freed[j % 2] if self.side is not None else None
+        if ev is not None:
+            self.main.wait_event(ev)
+
+    @contextmanager
+    def topk_side(self, j: int):
+        if self.side is None:
+            yield
+            return
+        self.side.wait_stream(self.main)  # this chunk's logits are written
+        with torch.cuda.stream(self.side):
+            yield
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+        self.freed[j % 2] = ev
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
+def _finish_flagged_rows(
+    p: PreparedInputs,
+    status: torch.Tensor,
+    out: torch.Tensor,
+    topk: int,
+    config: IndexerConfig,
+    launch: Callable[..., None],
+) -> int:
+    """Rows the select flagged: recompute their logits, exact torch top-k. Returns the count.
+
+    One host sync per call. Consecutive flagged rows share one logits launch (as many as fit
+    `max_chunk_bytes` with the exact path's int64 sort temporaries, ~40 B a score); a row's
+    scores do not depend on which other rows share its launch, so they are the chunk's scores
+    bitwise.
+    """
+    bad = torch.nonzero(status).flatten().cpu().numpy()
+    if bad.size == 0:
+        return 0
+    runs = np.split(bad, np.flatnonzero(np.diff(bad) != 1) + 1)
+    for run in runs:
+        # at most one chunk's worth of rows per launch (the memory bound)
+        for r0, r1, col0, width in plan_chunks(
+            p.ks_host[run[0] : run[-1] + 1],
+            p.ke_host[run[0] : run[-1] + 1],
+            p.k8.shape[0],
+            _EXACT_BYTES_PER_SCORE * p.k8.shape[0],
+            config.max_chunk_bytes,
+            align=1,
+        ):
+            n = r1 - r0
+            logits = torch.empty((n, width), dtype=torch.float32, device=out.device)
+            a = int(run[0]) + r0
+            launch(
+                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
+                heads=p.heads, row0=a, n_rows=n, col0=col0, config=config.logits,
+            )  # fmt: skip
+            out[a : a + n] = topk_rows_torch(
+                logits, col0, p.ks[a : a + n], p.ke[a : a + n], topk, p.s_k
+            )
+    return int(bad.size)
 
 
 def topk_from_logits(
@@ -318,7 +413,19 @@ def topk_from_logits(
     fallback = 0
     for r0 in range(0, s_q, rows):
         r1 = min(s_q, r0 + rows)
-        fallback += _select_and_order(logits[r0:r1], 0, ks, ke, ws, out, r0, topk, s_k, config.topk)
+        n = r1 - r0
+        launch_select(
+            logits[r0:r1], 0, ks, ke, ws, topk=topk, row0=r0, n_rows=n, sentinel=s_k,
+            config=config.topk,
+        )  # fmt: skip
+        order_topk(ws, out[r0:r1], n, topk, config.topk)
+        bad = torch.nonzero(ws.status[:n]).flatten()
+        if bad.numel():
+            rows_bad = bad + r0
+            out[rows_bad] = topk_rows_torch(
+                logits[rows_bad], 0, ks[rows_bad], ke[rows_bad], topk, s_k
+            )
+            fallback += int(bad.numel())
     if stats is not None:
         stats["fallback_rows"] = stats.get("fallback_rows", 0) + fallback
     return out

@@ -100,10 +100,14 @@ def _order_kernel(
     tl.store(out_ptr + r.to(tl.int64) * stride_out + j, res, mask=live & (j < topk))
 
 
-def finish_topk(ws: TopkWorkspace, n_rows: int, topk: int) -> torch.Tensor:
-    """Order each staging row: key descending, stable (index order among equal keys); [n_rows, topk]."""
+def finish_topk(
+    ws: TopkWorkspace, n_rows: int, topk: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Order each staging row: key descending, stable (index order among equal keys); [n_rows, topk].
+
+    `out` (contiguous) receives the gather directly."""
     perm = torch.sort(ws.skey[:n_rows], dim=1, descending=True, stable=True).indices[:, :topk]
-    return torch.gather(ws.sidx[:n_rows], 1, perm)
+    return torch.gather(ws.sidx[:n_rows], 1, perm, out=out)
 
 
 def order_topk(
@@ -113,7 +117,10 @@ def order_topk(
     if n_rows <= 0:
         return
     if config.order == "torch":
-        out.copy_(finish_topk(ws, n_rows, topk))
+        if out.is_contiguous():
+            finish_topk(ws, n_rows, topk, out=out)
+        else:
+            out.copy_(finish_topk(ws, n_rows, topk))
         return
     k2 = ws.skey.shape[1]
     rows = config.rows_per_program

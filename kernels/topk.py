@@ -45,6 +45,7 @@ stable sort and gather 5.6 ms; docs/KERNELS.md has the sweep and the candidates'
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -477,6 +478,10 @@ class TopkWorkspace:
             sidx=torch.empty((rows, k2), dtype=torch.int32, device=device),
             status=torch.empty(rows, dtype=torch.int32, device=device),
         )
+
+    def with_status(self, status: torch.Tensor) -> TopkWorkspace:
+        """The same buffers, flags written to `status` (e.g. a slice of a per-call array)."""
+        return dataclasses.replace(self, status=status)
 
     @staticmethod
     def bytes_per_row(topk: int, config: TopkConfig) -> int:

@@ -11,6 +11,7 @@ import benchmarks._results as results_module
 from benchmarks.indexer_final import (
     LOGITS_CANDIDATES,
     TITLE,
+    TOPK_CANDIDATES,
     append_final_results,
     e2e_combos,
     final_markdown,
@@ -44,7 +45,7 @@ SHAPES = [
 E2E = [
     {"logits": FIXED, "topk": "fixed", "total_ms": 59.0, "logits_ms": 39.5, "select_ms": 16.3,
      "order_ms": 5.6, "fallback_rows": 0, "same_as_fixed": True},
-    {"logits": PIPE, "topk": "warp", "total_ms": 44.2, "logits_ms": 33.0, "select_ms": 6.0,
+    {"logits": PIPE, "topk": "warp", "overlap": "priority", "chunks": 6, "total_ms": 44.2, "logits_ms": 33.0, "select_ms": 6.0,
      "order_ms": 3.1, "fallback_rows": 0, "same_as_fixed": True},
 ]  # fmt: skip
 
@@ -59,7 +60,7 @@ def test_summary_and_verdicts_name_the_candidates_that_meet_each_target() -> Non
     lines = verdicts(summary, E2E)
     assert lines[0].endswith(f"met by {PIPE}")
     assert "met by no candidate" not in lines[1]  # 33 ms at 64K is ~1041 TFLOP/s
-    assert "44.2 ms" in lines[2] and lines[2].endswith("met")
+    assert "44.2 ms" in lines[2] and "overlap priority" in lines[2] and lines[2].endswith("met")
 
 
 def test_markdown_and_append_results_round_trip(tmp_path: Path, monkeypatch) -> None:
@@ -69,7 +70,8 @@ def test_markdown_and_append_results_round_trip(tmp_path: Path, monkeypatch) -> 
         "summary": summarize(SHAPES, [c.label for c in LOGITS_CANDIDATES]), "equal_logits": True,
     }  # fmt: skip
     md = final_markdown(result)
-    assert "| n128/k64/w4/s3/pipe | warp | 44.20 |" in md
+    assert "| n128/k64/w4/s3/pipe | warp | priority | 6 | 44.20 |" in md
+    assert "| n128/k64/w4/s3 | fixed | none | - | 59.00 |" in md  # a row from before overlap
     assert "Skipped for time: H=32 S=16K packed x6." in md
     assert "bitwise equal to run 2's kernel (4K packed, H=64): True" in md
     saved = tmp_path / "indexer_final.json"
@@ -90,5 +92,24 @@ def test_markdown_and_append_results_round_trip(tmp_path: Path, monkeypatch) -> 
 def test_e2e_combos_cover_every_candidate_once() -> None:
     combos = e2e_combos()
     assert len(set(combos)) == len(combos)
-    assert {lc for lc, _ in combos} == set(LOGITS_CANDIDATES)
-    assert combos[0] == (FIXED_LOGITS_CONFIG, "warp select + torch sort (fixed)")
+    assert {lc for lc, _, _ in combos} == set(LOGITS_CANDIDATES)
+    assert {tn for _, tn, _ in combos} == set(TOPK_CANDIDATES)
+    assert combos[0] == (FIXED_LOGITS_CONFIG, "warp select + torch sort (fixed)", "priority")
+    assert {ov for _, _, ov in combos} == {"none", "stream", "priority"}
+
+
+def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks.bench_indexer import BENCH_TITLE, append_bench_results
+
+    (tmp_path / "indexer_bench.md").write_text("### Fixed config n128/k64/w4/s3\n\n| H |\n")
+    (tmp_path / "indexer_meta.json").write_text(
+        json.dumps({"machine": "GPU NVIDIA H200", "command": "python bench_indexer.py --out x"})
+    )
+    monkeypatch.setattr(results_module, "RESULTS_MD", tmp_path / "RESULTS.md")
+    append_bench_results(tmp_path)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert f"## {BENCH_TITLE}" in text and "- machine: GPU NVIDIA H200" in text
+    assert "### Fixed config n128/k64/w4/s3" in text
+    (tmp_path / "indexer_meta.json").unlink()
+    with pytest.raises(ValueError, match=r"indexer_meta\.json"):
+        append_bench_results(tmp_path)

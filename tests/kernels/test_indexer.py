@@ -19,7 +19,8 @@ from kernels import (
     plan_chunks,
     prepare_inputs,
 )
-from kernels.topk import TopkWorkspace
+from kernels.logits import launch_logits
+from kernels.topk import TopkConfig, TopkWorkspace
 from tests.kernels._cases import SMALL, SMALL_TOPK, packed_ranges, random_inputs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,6 +79,50 @@ def test_chunked_equals_unchunked(device: str) -> None:
     b = indexer_topk_prepared(p, 8, SMALL)
     assert stats["chunks"] == 4  # 197 queries
     assert torch.equal(a, b)
+
+
+# One-pass select with a 16-score sample: many rows miss their window and are flagged, so the
+# deferred exact path (logits recomputed after the last chunk) runs for rows of every chunk.
+ROUGH_TOPK = TopkConfig(sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256)
+
+
+@pytest.mark.parametrize("overlap", ["none", "stream", "priority"])
+def test_flagged_rows_across_chunks_equal_the_unchunked_answer(overlap: str, device: str) -> None:
+    q, k, w, ks, ke = _case(device)
+    p = prepare_inputs(q, k, w, ks, ke)
+    per_row = 4 * p.k8.shape[0] + TopkWorkspace.bytes_per_row(8, ROUGH_TOPK)
+    cfg = IndexerConfig(topk=ROUGH_TOPK, max_chunk_bytes=2 * 64 * per_row, overlap=overlap)
+    stats: dict = {}
+    got = indexer_topk_prepared(p, 8, cfg, stats=stats)
+    assert stats["chunks"] in (2, 4)  # 197 queries: 128 (one stream) or 64 (two) rows a chunk
+    flagged = stats["fallback_rows"]
+    assert 0 < flagged < 197  # both paths ran, in more than one run of consecutive rows
+    assert torch.equal(got, indexer_topk_prepared(p, 8, SMALL))
+
+
+def test_chunks_run_heaviest_first(device: str) -> None:
+    # causal rows: 64-row chunks hold 2080, 6176, 10272 and (5 rows) 975 in-range scores
+    q, k, w, ks, ke = _case(device, s_docs=[197])
+    p = prepare_inputs(q, k, w, ks, ke)
+    per_row = 4 * p.k8.shape[0] + TopkWorkspace.bytes_per_row(8, SMALL_TOPK)
+    row0s: list[int] = []
+
+    def launch(*args, row0: int, **kw) -> None:
+        row0s.append(row0)
+        launch_logits(*args, row0=row0, **kw)
+
+    cfg = IndexerConfig(topk=SMALL_TOPK, max_chunk_bytes=64 * per_row, overlap="none")
+    stats: dict = {}
+    got = indexer_topk_prepared(p, 8, cfg, launch=launch, stats=stats)
+    assert row0s[:4] == [128, 64, 0, 192]
+    # then one launch per run of consecutive flagged rows, in row order
+    assert row0s[4:] == sorted(row0s[4:]) and len(row0s[4:]) <= stats["fallback_rows"]
+    assert torch.equal(got, indexer_topk_prepared(p, 8, SMALL))
+
+
+def test_config_rejects_unknown_overlap() -> None:
+    with pytest.raises(ValueError, match="overlap"):
+        IndexerConfig(overlap="threads")
 
 
 def test_repeated_calls_are_bitwise_identical(device: str) -> None:
