@@ -93,6 +93,17 @@ class TopkConfig:
     # warp kernel: register cap (ptxas takes all 255 of a one-warp program otherwise: 8 warps
     # an SM; 168 gives 12 without spills at block 512, chunk 512, topk 2048; sm_90 compile)
     warp_max_registers: int = 168
+    # warp kernel, compaction pass: "ukey" maps every score to its uint32 key u before the
+    # threshold test and stores u; "float" tests the float score against the threshold's float
+    # (the same predicate: u is monotone and folds -0.0 like the float compare does) and stores
+    # the raw bits, so u is made only for the <= CAP candidates (~6 fewer ops a score)
+    compare: Literal["ukey", "float"] = "ukey"
+    # warp kernel: issue the loads of compaction block i+1 before testing block i (one block of
+    # scores in flight while the warp scans the other; 16 more registers a lane at block 512)
+    prefetch: bool = False
+    # warp kernel: compaction blocks inside every row's [ks, ke) load and test without range
+    # masks (a uniform branch a block; with one row a program, all but a long row's two ends)
+    interior: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (
@@ -123,6 +134,14 @@ class TopkConfig:
                 f"TopkConfig.select={self.select!r} with kernel='warp': the one-warp kernel "
                 "selects bitwise only; use select='bitwise'"
             )
+        if self.compare not in ("ukey", "float"):
+            raise ValueError(f"TopkConfig.compare={self.compare!r}: must be 'ukey' or 'float'")
+        if self.kernel != "warp" and (self.compare != "ukey" or self.prefetch or self.interior):
+            raise ValueError(
+                f"TopkConfig.compare={self.compare!r}, prefetch={self.prefetch}, "
+                f"interior={self.interior} with kernel={self.kernel!r}: the float compare, the "
+                "prefetch and the interior path are one-warp kernel options; use kernel='warp'"
+            )
         if self.order not in _ORDERS:
             raise ValueError(f"TopkConfig.order={self.order!r}: must be one of {list(_ORDERS)}")
         if not 24 <= self.warp_max_registers <= 255:
@@ -142,6 +161,12 @@ class TopkConfig:
         """Short name for reports."""
         if self.kernel == "warp":
             head = f"warp block={self.block}"
+            if self.compare == "float":
+                head += " float"
+            if self.prefetch:
+                head += " prefetch"
+            if self.interior:
+                head += " interior"
         else:
             head = f"{self.select} rows={self.rows_per_program} warps={self.num_warps} block={self.block}"
         order = f"bitonic/{self.order_warps}w" if self.order == "bitonic" else "torch sort"
@@ -160,6 +185,17 @@ def _ukey(x):
     x = tl.where(x == 0.0, 0.0, x)
     b = x.to(tl.int32, bitcast=True)
     return (b ^ ((b >> 31) & 0x7FFFFFFF) ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _ufloat(u):
+    """The float whose `_ukey` is u (u below the key of -inf, e.g. 0 = "take all": -inf).
+
+    x >= _ufloat(u) <=> _ukey(x) >= u for every non-NaN x: both orders are the float order
+    with -0.0 == +0.0."""
+    key = (u ^ 0x80000000).to(tl.int32, bitcast=True)
+    f = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return tl.where((u >> 23) == 0, float("-inf"), f)
 
 
 @triton.jit
@@ -229,6 +265,55 @@ def _kth_largest_radix(u, valid, k, ROWS: tl.constexpr, M: tl.constexpr):
 
 
 @triton.jit
+def _load_block(row_base, s0, ks, ke, todo, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Scores [ROWS, BLOCK] at columns s0 + [0, BLOCK) of the rows `todo` (0.0 elsewhere).
+
+    ALIGNED = 1 (rows 16-float aligned and readable up to ke rounded up to 16): masked per 16
+    scores, so the loads compile to 16-byte vectors; scores outside [ks, ke) are read, and the
+    caller never selects them."""
+    offs = s0 + tl.arange(0, BLOCK)[None, :]
+    if ALIGNED:
+        lmask = (offs >= (ks[:, None] // 16) * 16) & (offs < ((ke + 15) // 16 * 16)[:, None])
+    else:
+        lmask = (offs >= ks[:, None]) & (offs < ke[:, None])
+    return tl.load(row_base[:, None] + offs, mask=lmask & todo[:, None], other=0.0)
+
+
+@triton.jit
+def _load_any_block(
+    row_base, s0, ks, ke, todo, in_lo, in_hi,
+    BLOCK: tl.constexpr, ALIGNED: tl.constexpr, INTERIOR: tl.constexpr,
+):  # fmt: skip
+    """`_load_block`; with INTERIOR, unmasked when the block lies inside every row's [ks, ke)
+    (in_lo = max ks <= s0 and s0 + BLOCK <= in_hi = min ke)."""
+    if INTERIOR:
+        if (s0 >= in_lo) & (s0 + BLOCK <= in_hi):
+            x = tl.load(row_base[:, None] + s0 + tl.arange(0, BLOCK)[None, :])
+        else:
+            x = _load_block(row_base, s0, ks, ke, todo, BLOCK, ALIGNED)
+    else:
+        x = _load_block(row_base, s0, ks, ke, todo, BLOCK, ALIGNED)
+    return x
+
+
+@triton.jit
+def _in_range(
+    above, s0, ks, ke, todo, in_lo, in_hi, BLOCK: tl.constexpr, INTERIOR: tl.constexpr
+):  # fmt: skip
+    """above & (the column is in its row's [ks, ke) and the row is todo); with INTERIOR the
+    masks are skipped for a block inside every row's range."""
+    offs = s0 + tl.arange(0, BLOCK)[None, :]
+    if INTERIOR:
+        if (s0 >= in_lo) & (s0 + BLOCK <= in_hi):
+            sel = above
+        else:
+            sel = above & (offs >= ks[:, None]) & (offs < ke[:, None]) & todo[:, None]
+    else:
+        sel = above & (offs >= ks[:, None]) & (offs < ke[:, None]) & todo[:, None]
+    return sel
+
+
+@triton.jit
 def _compact_pass(
     row_base,
     cand,
@@ -240,31 +325,54 @@ def _compact_pass(
     BLOCK: tl.constexpr,
     PAIRS: tl.constexpr,
     ALIGNED: tl.constexpr,
+    RAW: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False,
 ):
     """Rows in `todo`: write every u >= thr with its index to cand, in index order; count them.
 
     PAIRS = 0: one int64 (u << 32 | index) a candidate, cand rows CAP long; PAIRS = 1: int32 u
-    at [0, CAP) and int32 index at [CAP, 2 CAP) of cand rows 2 CAP long. ALIGNED = 1 (rows
-    16-float aligned and readable up to ke rounded up to 16): loads are masked per 16 scores,
-    so they compile to 16-byte vectors; the scores outside [ks, ke) are read, never selected.
+    (RAW: the score's raw bits instead, tested as float >= `_ufloat(thr)`) at [0, CAP) and
+    int32 index at [CAP, 2 CAP) of cand rows 2 CAP long. PREFETCH: block i+1's loads are
+    issued before block i is tested (carried in registers). INTERIOR: a block inside every
+    row's [ks, ke) (most of a long row) is loaded and tested without range masks (a uniform
+    branch). See `_load_block` for ALIGNED.
     """
     count = ks * 0
     lo = tl.min(tl.where(todo, ks, 2147483647), axis=0)
     hi = tl.max(tl.where(todo, ke, 0), axis=0)
-    ke16 = (ke + 15) // 16 * 16
-    for s0 in range((lo // 16) * 16, hi, BLOCK):
+    # blocks [s0, s0 + BLOCK) with in_lo <= s0 and s0 + BLOCK <= in_hi are inside every row
+    in_lo = tl.max(tl.where(todo, ks, 0), axis=0)
+    in_hi = tl.min(tl.where(todo, ke, 0), axis=0)  # 0 (no block) unless every row is todo
+    start = (lo // 16) * 16
+    if RAW:
+        tf = _ufloat(thr)
+    if PREFETCH:
+        x_next = _load_any_block(
+            row_base, start, ks, ke, todo, in_lo, in_hi, BLOCK, ALIGNED, INTERIOR
+        )
+    for s0 in range(start, hi, BLOCK):
         offs = s0 + tl.arange(0, BLOCK)[None, :]
-        inr = (offs >= ks[:, None]) & (offs < ke[:, None]) & todo[:, None]
-        if ALIGNED:
-            lmask = (offs >= (ks[:, None] // 16) * 16) & (offs < ke16[:, None]) & todo[:, None]
+        if PREFETCH:
+            x = x_next
+            x_next = _load_any_block(
+                row_base, s0 + BLOCK, ks, ke, todo, in_lo, in_hi, BLOCK, ALIGNED, INTERIOR
+            )
         else:
-            lmask = inr
-        u = _ukey(tl.load(row_base[:, None] + offs, mask=lmask, other=0.0))
-        sel = inr & (u >= thr[:, None])
+            x = _load_any_block(row_base, s0, ks, ke, todo, in_lo, in_hi, BLOCK, ALIGNED, INTERIOR)
+        if RAW:
+            above = x >= tf[:, None]
+        else:
+            u = _ukey(x)
+            above = u >= thr[:, None]
+        sel = _in_range(above, s0, ks, ke, todo, in_lo, in_hi, BLOCK, INTERIOR)
         pos = count[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
         keep = sel & (pos < CAP)
         if PAIRS:
-            tl.store(cand[:, None] + pos, u.to(tl.int32, bitcast=True), mask=keep)
+            if RAW:
+                tl.store(cand[:, None] + pos, x.to(tl.int32, bitcast=True), mask=keep)
+            else:
+                tl.store(cand[:, None] + pos, u.to(tl.int32, bitcast=True), mask=keep)
             tl.store(cand[:, None] + CAP + pos, offs, mask=keep)
         else:
             packed = (u.to(tl.int64) << 32) | offs.to(tl.int64)
@@ -290,6 +398,9 @@ def _threshold_and_compact(
     RADIX: tl.constexpr,
     PAIRS: tl.constexpr,
     ALIGNED: tl.constexpr,
+    RAW: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False,
 ):
     """Steps 1-2 for the rows `live`: (count of candidates written, ok = count in [need, CAP])."""
     ke = ks + n
@@ -320,7 +431,10 @@ def _threshold_and_compact(
                 thr = tl.where(n <= CAP, 0, _kth_largest_zeroed(samp, rank + 1))
             else:
                 thr = tl.where(n <= CAP, 0, _kth_largest(samp, sok, rank + 1, ROWS, SAMPLE, RADIX))
-            got = _compact_pass(row_base, cand, ks, ke, thr, todo, CAP, BLOCK, PAIRS, ALIGNED)
+            got = _compact_pass(
+                row_base, cand, ks, ke, thr, todo, CAP, BLOCK, PAIRS, ALIGNED, RAW, PREFETCH,
+                INTERIOR,
+            )  # fmt: skip
             count = tl.where(todo, got, count)
             hit = todo & (got >= need) & (got <= CAP)
             ok = ok | hit
@@ -360,6 +474,9 @@ def _select_kernel(
     WARP: tl.constexpr = False,
     CHUNK: tl.constexpr = 16,
     ALIGNED: tl.constexpr = False,
+    RAW: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
+    INTERIOR: tl.constexpr = False,
 ):
     """Steps 1-3 for ROWS rows a program.
 
@@ -373,7 +490,8 @@ def _select_kernel(
     re-reads them CHUNK at a time. ALIGNED (the indexer's chunks: col0, the row stride and
     the row width multiples of 16) passes col0 / 16, so that Triton proves row starts 16-float
     aligned, and masks the compaction loads per 16 scores: 16-byte vector loads. ROWS > 1
-    with WARP only vectorises the CPU interpreter (tests).
+    with WARP only vectorises the CPU interpreter (tests). RAW, PREFETCH, INTERIOR (WARP
+    only): `TopkConfig.compare == "float"`, `.prefetch`, `.interior`; see `_compact_pass`.
     """
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # chunk-local rows
     live = r < n_rows
@@ -384,13 +502,13 @@ def _select_kernel(
     cand = cand_ptr + r.to(tl.int64) * (2 * CAP if WARP else CAP)
     count, ok = _threshold_and_compact(
         row_base, cand, ks, n, live, topk, target, ROWS, CAP, SAMPLE, BLOCK, MAX_PASSES, RADIX,
-        WARP, ALIGNED,
+        WARP, ALIGNED, RAW, PREFETCH, INTERIOR,
     )  # fmt: skip
     tl.store(status_ptr + r, 1 - ok.to(tl.int32), mask=live)
     tl.debug_barrier()  # candidates written by other threads of this program
     srow = r.to(tl.int64)[:, None] * K2
     if WARP:
-        take = _exact_select_pairs(cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP, CHUNK)
+        take = _exact_select_pairs(cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP, CHUNK, RAW)
     else:
         take = _exact_select_packed(
             cand, count, ok, topk, skey_ptr, sidx_ptr, srow, ROWS, CAP, RADIX
@@ -428,13 +546,15 @@ def _exact_select_packed(
 
 @triton.jit
 def _exact_select_pairs(
-    cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP: tl.constexpr, CHUNK: tl.constexpr
-):
+    cand, count, ok, topk, skey_ptr, sidx_ptr, srow,
+    CAP: tl.constexpr, CHUNK: tl.constexpr, RAW: tl.constexpr = False,
+):  # fmt: skip
     """Step 3 on int32 pair candidates (the one-warp kernel): the select over all CAP keys in
-    registers (zero-filled, no masked copy), then the staging write CHUNK candidates a step."""
+    registers (zero-filled, no masked copy), then the staging write CHUNK candidates a step.
+    RAW: the candidates hold raw score bits, mapped to their keys here."""
     have = tl.where(ok, count, 0)
     ci = tl.arange(0, CAP)[None, :]
-    cu = tl.load(cand[:, None] + ci, mask=ci < have[:, None], other=0).to(tl.uint32, bitcast=True)
+    cu = _cand_keys(cand[:, None] + ci, ci < have[:, None], RAW)
     take = tl.minimum(have, topk)
     tstar = _kth_largest_zeroed(cu, take)  # empty slots hold 0, below every real key
     room = take - tl.sum((cu > tstar[:, None]).to(tl.int32), axis=1)
@@ -443,7 +563,7 @@ def _exact_select_pairs(
     for c0 in range(0, tl.max(have, axis=0), CHUNK):
         cj = c0 + tl.arange(0, CHUNK)[None, :]
         v = cj < have[:, None]
-        c_u = tl.load(cand[:, None] + cj, mask=v, other=0).to(tl.uint32, bitcast=True)
+        c_u = _cand_keys(cand[:, None] + cj, v, RAW)
         c_i = tl.load(cand[:, None] + CAP + cj, mask=v, other=0)
         gt = v & (c_u > tstar[:, None])
         eq = v & (c_u == tstar[:, None])
@@ -456,6 +576,17 @@ def _exact_select_pairs(
         written += tl.sum(sel.to(tl.int32), axis=1)
         eq_seen += tl.sum(eq.to(tl.int32), axis=1)
     return take
+
+
+@triton.jit
+def _cand_keys(ptrs, valid, RAW: tl.constexpr):
+    """uint32 keys of the candidates at `ptrs` (0 where not valid: below every real key)."""
+    c = tl.load(ptrs, mask=valid, other=0)
+    if RAW:
+        cu = tl.where(valid, _ukey(c.to(tl.float32, bitcast=True)), 0)
+    else:
+        cu = c.to(tl.uint32, bitcast=True)
+    return cu
 
 
 @dataclass
@@ -516,7 +647,8 @@ def launch_select(
             ws.cand.view(torch.int32), ws.skey, ws.sidx, ws.status, sentinel, topk, target,
             ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
             MAX_PASSES=config.max_passes, RADIX=0, WARP=True, CHUNK=min(cap, config.chunk),
-            ALIGNED=aligned, num_warps=1, maxnreg=config.warp_max_registers,
+            ALIGNED=aligned, RAW=config.compare == "float", PREFETCH=config.prefetch,
+            INTERIOR=config.interior, num_warps=1, maxnreg=config.warp_max_registers,
         )  # fmt: skip
         return
     rows = config.rows_per_program

@@ -17,6 +17,13 @@ SMALL_WARP_TOPK = TopkConfig(
     sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", order="bitonic", chunk=16
 )
 SMALL_WARP = IndexerConfig(topk=SMALL_WARP_TOPK)
+# The one-warp select with the float threshold test, raw-bit candidates, prefetched blocks and
+# unmasked interior blocks.
+SMALL_FAST_TOPK = TopkConfig(
+    sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", chunk=16,
+    compare="float", prefetch=True, interior=True,
+)  # fmt: skip
+SMALL_FAST = IndexerConfig(topk=SMALL_FAST_TOPK)
 
 
 def packed_ranges(doc_lens: list[int], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,18 +148,29 @@ def test_256k_key_rows_run_under_the_memory_bound() -> None:
     assert torch.equal(idx, topk_rows_torch(logits, 0, ks, ke, 2048, s_k))
 
 
-# The candidates of the final H200 run (benchmarks/bench_indexer.py --final): same answers.
-WARP_BITONIC = TopkConfig(kernel="warp", block=512, chunk=512, order="bitonic")
+# The top-k candidates of the final H200 runs (benchmarks/bench_indexer.py --final): the
+# bitonic order and the one-warp select's compaction options must give the exact answer.
+_WARP = {"kernel": "warp", "block": 512, "chunk": 512}
+TOPK_VARIANTS = {
+    "warp+bitonic": TopkConfig(**_WARP, order="bitonic"),
+    "float": TopkConfig(**_WARP, compare="float"),
+    "interior": TopkConfig(**_WARP, interior=True),
+    "prefetch": TopkConfig(**_WARP, prefetch=True),
+    "float+interior+prefetch": TopkConfig(**_WARP, compare="float", interior=True, prefetch=True),
+}
 
 
+@pytest.mark.parametrize("name", list(TOPK_VARIANTS))
 @pytest.mark.parametrize("causal", [True, False])
-def test_warp_select_and_bitonic_order_equal_the_default(causal: bool) -> None:
+def test_topk_variants_equal_the_exact_torch_path(causal: bool, name: str) -> None:
     ks, ke = packed_ranges([8192] if causal else [3000, 2500, 1500, 1192])
     q, k, w = random_inputs(8192, 64, 128, seed=7, device="cuda")
-    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    ks, ke = ks.cuda(), ke.cuda()
+    p = prepare_inputs(q, k, w, ks, ke)
     stats: dict = {}
-    got = indexer_topk_prepared(p, 2048, IndexerConfig(topk=WARP_BITONIC), stats=stats)
-    assert torch.equal(got, indexer_topk_prepared(p, 2048))
+    got = indexer_topk_prepared(p, 2048, IndexerConfig(topk=TOPK_VARIANTS[name]), stats=stats)
+    logits = fp8_indexer_logits(q, k, w, ks, ke)
+    assert torch.equal(got, topk_rows_torch(logits, 0, ks, ke, 2048, 8192))
     assert stats["fallback_rows"] == 0
 
 

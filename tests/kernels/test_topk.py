@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import (
     IndexerConfig,
@@ -18,8 +20,10 @@ from kernels import (
     reference_topk,
     topk_from_logits,
 )
+from kernels.topk import _ufloat, _ukey
 from tests.kernels._cases import (
     SMALL,
+    SMALL_FAST,
     SMALL_TOPK,
     SMALL_WARP,
     SMALL_WARP_TOPK,
@@ -28,7 +32,9 @@ from tests.kernels._cases import (
     random_inputs,
 )
 
-BOTH = pytest.mark.parametrize("cfg", [SMALL, SMALL_WARP], ids=["cta+torch", "warp+bitonic"])
+BOTH = pytest.mark.parametrize(
+    "cfg", [SMALL, SMALL_WARP, SMALL_FAST], ids=["cta+torch", "warp+bitonic", "warp-fast+torch"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +139,16 @@ def test_padded_keys_are_never_selected(cfg: IndexerConfig, device: str) -> None
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("kernel", ["cta", "warp"])
-def test_rerank_and_fallback_paths_agree(kernel: str, device: str) -> None:
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        {"kernel": "cta"},
+        {"kernel": "warp"},
+        {"kernel": "warp", "compare": "float", "prefetch": True, "interior": True},
+    ],
+    ids=["cta", "warp", "warp-fast"],
+)
+def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
     # A one-pass budget and a single 16-score sample run force misses (flagged rows -> torch path); a wide
     # sample with three passes must give the same answer.
     ks, ke = packed_ranges([200])
@@ -143,7 +157,7 @@ def test_rerank_and_fallback_paths_agree(kernel: str, device: str) -> None:
     p = prepare_inputs(q, k, w, ks, ke)
     rough = IndexerConfig(
         topk=TopkConfig(
-            sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256, kernel=kernel
+            sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256, **kernel
         )
     )
     stats: dict = {}
@@ -154,7 +168,18 @@ def test_rerank_and_fallback_paths_agree(kernel: str, device: str) -> None:
     assert SMALL_TOPK.max_passes == 3
 
 
-def test_one_row_programs_and_unaligned_rows_agree(device: str) -> None:
+@pytest.mark.parametrize(
+    "fast",
+    [
+        {},
+        {"compare": "float"},
+        {"prefetch": True},
+        {"interior": True},
+        {"compare": "float", "prefetch": True, "interior": True},
+    ],
+    ids=["ukey", "float", "prefetch", "interior", "float-prefetch-interior"],
+)
+def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> None:
     # The GPU geometry of the warp kernel (one row a program) and both load paths: the
     # indexer's 16-aligned chunk rows (vector loads of whole 16-score groups, scores outside
     # [ks, ke) read and ignored: here +inf, which would win if selected) and an unaligned
@@ -167,7 +192,9 @@ def test_one_row_programs_and_unaligned_rows_agree(device: str) -> None:
     outside = (cols < ks[:, None].long()) | (cols >= ke[:, None].long())
     logits = torch.where(outside, torch.full_like(logits, float("inf")), logits).to(device)
     ref = reference_topk(logits[:, :37].cpu(), ks, ke, 12)
-    one_row = IndexerConfig(topk=dataclasses.replace(SMALL_WARP_TOPK, rows_per_program=1))
+    one_row = IndexerConfig(
+        topk=dataclasses.replace(SMALL_WARP_TOPK, rows_per_program=1, block=16, **fast)
+    )
     aligned = topk_from_logits(logits, ks.to(device), ke.to(device), 12, config=one_row)
     unaligned = topk_from_logits(
         logits[:, :37].contiguous(), ks.to(device), ke.to(device), 12, config=one_row
@@ -203,10 +230,48 @@ def test_bitonic_order_equals_the_stable_sort() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("kernel", "block"), ("order", "radix"), ("warp_max_registers", 300), ("chunk", 24)],
+    [
+        ("kernel", "block"),
+        ("order", "radix"),
+        ("warp_max_registers", 300),
+        ("chunk", 24),
+        ("compare", "int"),
+    ],
 )
 def test_topk_config_rejects_bad_values(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"TopkConfig\.{field}"):
         TopkConfig(**{field: value})
     with pytest.raises(ValueError, match="selects bitwise only"):
         TopkConfig(kernel="warp", select="radix")
+    with pytest.raises(ValueError, match="one-warp kernel options"):
+        TopkConfig(kernel="cta", prefetch=True)
+
+
+@triton.jit
+def _both_threshold_tests(x_ptr, t_ptr, out_ptr, N: tl.constexpr, M: tl.constexpr):
+    """out[i, j] = 2 * (_ukey(x_i) >= thr_j) + (x_i >= _ufloat(thr_j)), thr_j = _ukey(t_j)
+    except thr_0 = 0 (the "take everything" key)."""
+    x = tl.load(x_ptr + tl.arange(0, N))
+    thr = _ukey(tl.load(t_ptr + tl.arange(0, M)))
+    thr = tl.where(tl.arange(0, M) == 0, 0, thr)
+    by_key = _ukey(x)[:, None] >= thr[None, :]
+    by_float = x[:, None] >= _ufloat(thr)[None, :]
+    offs = tl.arange(0, N)[:, None] * M + tl.arange(0, M)[None, :]
+    tl.store(out_ptr + offs, by_key.to(tl.int32) * 2 + by_float.to(tl.int32))
+
+
+def test_float_threshold_test_equals_the_key_test(device: str) -> None:
+    # compare="float" tests x >= _ufloat(thr) instead of _ukey(x) >= thr: the same predicate for
+    # every threshold the select can make (keys of real scores, and 0 = take everything),
+    # including -0.0 against +0.0, denormals, the extremes and infinities.
+    tiny = torch.finfo(torch.float32).tiny
+    big = torch.finfo(torch.float32).max
+    vals = [0.0, -0.0, 1.0, -1.0, 1.5, -1.5, tiny, -tiny, tiny / 8, -tiny / 8, big, -big]
+    vals += [float("inf"), float("-inf"), 3e-5, -3e-5, 2.0**100, -(2.0**-100), 0.75, -0.75]
+    x = torch.tensor(vals + vals[:12], dtype=torch.float32)  # 32 values
+    got = torch.empty(32 * 32, dtype=torch.int32, device=device)
+    _both_threshold_tests[(1,)](x.to(device), x.to(device), got, N=32, M=32)
+    got = got.cpu().view(32, 32)
+    assert ((got == 0) | (got == 3)).all(), "float and key tests disagree"
+    assert (got[:, 0] == 3).all()  # threshold key 0 takes everything, -inf included
+    assert got[1, 0 + 2] == 0 and got[0, 1] == 3 and got[1, 0] == 3  # -0.0 >= +0.0 and back
