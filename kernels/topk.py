@@ -104,6 +104,11 @@ class TopkConfig:
     # warp kernel: compaction blocks inside every row's [ks, ke) load and test without range
     # masks (a uniform branch a block; with one row a program, all but a long row's two ends)
     interior: bool = False
+    # warp kernel: steps 1-2 and step 3 as two launches (`_select_kernel`'s STAGE), the first
+    # capped at `compact_max_registers` (more warps an SM for the compaction pass), the second
+    # at `warp_max_registers`
+    split: bool = False
+    compact_max_registers: int = 96
 
     def __post_init__(self) -> None:
         for name, least in (
@@ -136,11 +141,18 @@ class TopkConfig:
             )
         if self.compare not in ("ukey", "float"):
             raise ValueError(f"TopkConfig.compare={self.compare!r}: must be 'ukey' or 'float'")
-        if self.kernel != "warp" and (self.compare != "ukey" or self.prefetch or self.interior):
+        warp_only = self.compare != "ukey" or self.prefetch or self.interior or self.split
+        if self.kernel != "warp" and warp_only:
             raise ValueError(
                 f"TopkConfig.compare={self.compare!r}, prefetch={self.prefetch}, "
-                f"interior={self.interior} with kernel={self.kernel!r}: the float compare, the "
-                "prefetch and the interior path are one-warp kernel options; use kernel='warp'"
+                f"interior={self.interior}, split={self.split} with kernel={self.kernel!r}: "
+                "the float compare, the prefetch, the interior path and the split are one-warp "
+                "kernel options; use kernel='warp'"
+            )
+        if not 24 <= self.compact_max_registers <= 255:
+            raise ValueError(
+                f"TopkConfig.compact_max_registers={self.compact_max_registers}: must lie in "
+                "[24, 255]"
             )
         if self.order not in _ORDERS:
             raise ValueError(f"TopkConfig.order={self.order!r}: must be one of {list(_ORDERS)}")
@@ -167,6 +179,8 @@ class TopkConfig:
                 head += " prefetch"
             if self.interior:
                 head += " interior"
+            if self.split:
+                head += f" split/{self.compact_max_registers}r"
         else:
             head = f"{self.select} rows={self.rows_per_program} warps={self.num_warps} block={self.block}"
         order = f"bitonic/{self.order_warps}w" if self.order == "bitonic" else "torch sort"
@@ -382,6 +396,23 @@ def _compact_pass(
 
 
 @triton.jit
+def _sample_keys(row_base, ks, n, CAP: tl.constexpr, SAMPLE: tl.constexpr, PAIRS: tl.constexpr):
+    """Keys of SAMPLE // 16 evenly spaced runs of 16 scores of each row with n > CAP, and
+    which are real; PAIRS: the others are 0 (below every real key, never counted)."""
+    si = tl.arange(0, SAMPLE)[None, :]
+    spos = (
+        ks[:, None]
+        + ((si // 16).to(tl.int64) * n[:, None] // (SAMPLE // 16)).to(tl.int32)
+        + si % 16
+    )
+    sok = (si >= 0) & (n[:, None] > CAP)
+    samp = _ukey(tl.load(row_base[:, None] + spos, mask=sok, other=0.0))
+    if PAIRS:
+        samp = tl.where(sok, samp, 0)
+    return samp, sok
+
+
+@triton.jit
 def _threshold_and_compact(
     row_base,
     cand,
@@ -401,21 +432,18 @@ def _threshold_and_compact(
     RAW: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     INTERIOR: tl.constexpr = False,
+    RELOAD: tl.constexpr = False,
 ):
-    """Steps 1-2 for the rows `live`: (count of candidates written, ok = count in [need, CAP])."""
+    """Steps 1-2 for the rows `live`: (count of candidates written, ok = count in [need, CAP]).
+
+    RELOAD (one-warp kernel only): the threshold sample is re-read from the scores at every
+    pass instead of staying in registers through the compaction (64 registers a lane fewer
+    there, for the split kernel's higher occupancy)."""
     ke = ks + n
     # 1. threshold candidates: SAMPLE // 16 evenly spaced runs of 16 scores of each long row
     #    (runs, not single scores: 64-byte reads instead of a 32-byte sector per 4-byte score)
-    si = tl.arange(0, SAMPLE)[None, :]
-    spos = (
-        ks[:, None]
-        + ((si // 16).to(tl.int64) * n[:, None] // (SAMPLE // 16)).to(tl.int32)
-        + si % 16
-    )
-    sok = (si >= 0) & (n[:, None] > CAP)
-    samp = _ukey(tl.load(row_base[:, None] + spos, mask=sok, other=0.0))
-    if PAIRS:
-        samp = tl.where(sok, samp, 0)  # u > 0 for every real score: 0 never counts
+    if not RELOAD:
+        samp, sok = _sample_keys(row_base, ks, n, CAP, SAMPLE, PAIRS)
     rank = tl.minimum(tl.maximum(tl.cdiv(target * SAMPLE, tl.maximum(n, 1)) - 1, 0), SAMPLE - 1)
 
     # 2. compaction passes (rows with n <= CAP take everything); re-rank the rows that miss
@@ -427,6 +455,8 @@ def _threshold_and_compact(
     ok = live & (n <= 0)
     for _ in range(MAX_PASSES):
         if tl.max(todo.to(tl.int32), axis=0) > 0:
+            if RELOAD:
+                samp, sok = _sample_keys(row_base, ks, n, CAP, SAMPLE, PAIRS)
             if PAIRS:
                 thr = tl.where(n <= CAP, 0, _kth_largest_zeroed(samp, rank + 1))
             else:
@@ -477,6 +507,8 @@ def _select_kernel(
     RAW: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     INTERIOR: tl.constexpr = False,
+    STAGE: tl.constexpr = 0,
+    count_ptr=None,
 ):
     """Steps 1-3 for ROWS rows a program.
 
@@ -492,19 +524,44 @@ def _select_kernel(
     aligned, and masks the compaction loads per 16 scores: 16-byte vector loads. ROWS > 1
     with WARP only vectorises the CPU interpreter (tests). RAW, PREFETCH, INTERIOR (WARP
     only): `TopkConfig.compare == "float"`, `.prefetch`, `.interior`; see `_compact_pass`.
+    STAGE (`TopkConfig.split`): 0 runs steps 1-3; 1 runs steps 1-2 (the threshold sample
+    re-read every pass) and writes each row's candidate count to count_ptr; 2 runs step 3 from
+    the counts and flags stage 1 wrote. Each stage is its own launch with its own register
+    cap: the compaction pass needs few registers and wants many warps an SM, the exact select
+    holds CAP keys a row (128 registers a lane at topk 2048).
     """
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # chunk-local rows
     live = r < n_rows
-    ks = tl.load(ks_ptr + row0 + r, mask=live, other=0)
-    ke = tl.maximum(tl.load(ke_ptr + row0 + r, mask=live, other=0), ks)
-    n = ke - ks
-    row_base = logits_ptr + r.to(tl.int64) * stride_l - col0 * (16 if ALIGNED else 1)
     cand = cand_ptr + r.to(tl.int64) * (2 * CAP if WARP else CAP)
-    count, ok = _threshold_and_compact(
-        row_base, cand, ks, n, live, topk, target, ROWS, CAP, SAMPLE, BLOCK, MAX_PASSES, RADIX,
-        WARP, ALIGNED, RAW, PREFETCH, INTERIOR,
-    )  # fmt: skip
-    tl.store(status_ptr + r, 1 - ok.to(tl.int32), mask=live)
+    if STAGE == 2:
+        count = tl.load(count_ptr + r, mask=live, other=0)
+        ok = tl.load(status_ptr + r, mask=live, other=1) == 0
+    else:
+        ks = tl.load(ks_ptr + row0 + r, mask=live, other=0)
+        ke = tl.maximum(tl.load(ke_ptr + row0 + r, mask=live, other=0), ks)
+        n = ke - ks
+        row_base = logits_ptr + r.to(tl.int64) * stride_l - col0 * (16 if ALIGNED else 1)
+        count, ok = _threshold_and_compact(
+            row_base, cand, ks, n, live, topk, target, ROWS, CAP, SAMPLE, BLOCK, MAX_PASSES,
+            RADIX, WARP, ALIGNED, RAW, PREFETCH, INTERIOR, STAGE == 1,
+        )  # fmt: skip
+        tl.store(status_ptr + r, 1 - ok.to(tl.int32), mask=live)
+        if STAGE == 1:
+            tl.store(count_ptr + r, count, mask=live)
+    if STAGE != 1:
+        _finish_rows(
+            cand, count, ok, live, r, topk, skey_ptr, sidx_ptr, sentinel, K2, ROWS, CAP,
+            RADIX, WARP, CHUNK, RAW,
+        )  # fmt: skip
+
+
+@triton.jit
+def _finish_rows(
+    cand, count, ok, live, r, topk, skey_ptr, sidx_ptr, sentinel,
+    K2: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, RADIX: tl.constexpr,
+    WARP: tl.constexpr, CHUNK: tl.constexpr, RAW: tl.constexpr,
+):  # fmt: skip
+    """Step 3 and the padding of the staging rows."""
     tl.debug_barrier()  # candidates written by other threads of this program
     srow = r.to(tl.int64)[:, None] * K2
     if WARP:
@@ -597,6 +654,7 @@ class TopkWorkspace:
     skey: torch.Tensor  # [rows, K2] int32
     sidx: torch.Tensor  # [rows, K2] int32
     status: torch.Tensor  # [rows] int32
+    count: torch.Tensor  # [rows] int32: candidates a row (between the split kernel's launches)
 
     @classmethod
     def allocate(
@@ -608,6 +666,7 @@ class TopkWorkspace:
             skey=torch.empty((rows, k2), dtype=torch.int32, device=device),
             sidx=torch.empty((rows, k2), dtype=torch.int32, device=device),
             status=torch.empty(rows, dtype=torch.int32, device=device),
+            count=torch.empty(rows, dtype=torch.int32, device=device),
         )
 
     def with_status(self, status: torch.Tensor) -> TopkWorkspace:
@@ -618,7 +677,7 @@ class TopkWorkspace:
     def bytes_per_row(topk: int, config: TopkConfig) -> int:
         """Workspace bytes per row, sort temporaries included (values + int64 indices)."""
         k2, cap = config.sizes(topk)
-        return 8 * cap + 8 * k2 + 12 * k2 + 4
+        return 8 * cap + 8 * k2 + 12 * k2 + 8
 
 
 def launch_select(
@@ -642,14 +701,22 @@ def launch_select(
     if config.kernel == "warp":
         aligned = col0 % 16 == 0 and logits.stride(0) % 16 == 0 and logits.shape[1] % 16 == 0
         rows = config.rows_per_program
-        _select_kernel[(triton.cdiv(n_rows, rows),)](
+        grid = (triton.cdiv(n_rows, rows),)
+        args = (
             logits, logits.stride(0), col0 // 16 if aligned else col0, ks, ke, row0, n_rows,
             ws.cand.view(torch.int32), ws.skey, ws.sidx, ws.status, sentinel, topk, target,
+        )  # fmt: skip
+        meta = dict(
             ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
             MAX_PASSES=config.max_passes, RADIX=0, WARP=True, CHUNK=min(cap, config.chunk),
             ALIGNED=aligned, RAW=config.compare == "float", PREFETCH=config.prefetch,
-            INTERIOR=config.interior, num_warps=1, maxnreg=config.warp_max_registers,
+            INTERIOR=config.interior, num_warps=1,
         )  # fmt: skip
+        if not config.split:
+            _select_kernel[grid](*args, **meta, maxnreg=config.warp_max_registers)
+            return
+        for stage, regs in ((1, config.compact_max_registers), (2, config.warp_max_registers)):
+            _select_kernel[grid](*args, **meta, STAGE=stage, count_ptr=ws.count, maxnreg=regs)
         return
     rows = config.rows_per_program
     _select_kernel[(triton.cdiv(n_rows, rows),)](

@@ -24,6 +24,12 @@ SMALL_FAST_TOPK = TopkConfig(
     compare="float", prefetch=True, interior=True,
 )  # fmt: skip
 SMALL_FAST = IndexerConfig(topk=SMALL_FAST_TOPK)
+# The one-warp select as two launches (steps 1-2, then step 3 from the stored counts).
+SMALL_SPLIT = IndexerConfig(
+    topk=TopkConfig(
+        sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", chunk=16, split=True
+    )
+)
 
 
 def packed_ranges(doc_lens: list[int], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -133,7 +133,9 @@ def test_256k_key_rows_run_under_the_memory_bound() -> None:
     ks = torch.zeros_like(ke)
     stats: dict = {}
     bound = 256 << 20
-    cfg = IndexerConfig(max_chunk_bytes=bound)  # two chunks of 64 rows of 256K keys in flight
+    # one chunk in flight (overlap "none"): 192 rows of 256K keys (~1.1 MB of logits and
+    # workspace a row) under 256 MiB, so the 512 queries take 3 chunks
+    cfg = IndexerConfig(max_chunk_bytes=bound)
     p = prepare_inputs(q, k, w, ks, ke)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -143,7 +145,7 @@ def test_256k_key_rows_run_under_the_memory_bound() -> None:
     assert torch.cuda.max_memory_allocated() - base <= bound + idx.numel() * 4 + (1 << 20)
     # 256K-key rows sample 2048 of 256K scores (rank ~24 of the sample): a row may miss the
     # [topk, CAP] window three times and take the exact torch path (1 of 512 on the H200)
-    assert stats["chunks"] == 8 and stats["fallback_rows"] <= s_q // 100
+    assert stats["chunks"] == 3 and stats["fallback_rows"] <= s_q // 100
     logits = fp8_indexer_logits(q, k, w, ks, ke)
     assert torch.equal(idx, topk_rows_torch(logits, 0, ks, ke, 2048, s_k))
 

@@ -24,6 +24,7 @@ from kernels.topk import _ufloat, _ukey
 from tests.kernels._cases import (
     SMALL,
     SMALL_FAST,
+    SMALL_SPLIT,
     SMALL_TOPK,
     SMALL_WARP,
     SMALL_WARP_TOPK,
@@ -33,7 +34,9 @@ from tests.kernels._cases import (
 )
 
 BOTH = pytest.mark.parametrize(
-    "cfg", [SMALL, SMALL_WARP, SMALL_FAST], ids=["cta+torch", "warp+bitonic", "warp-fast+torch"]
+    "cfg",
+    [SMALL, SMALL_WARP, SMALL_FAST, SMALL_SPLIT],
+    ids=["cta+torch", "warp+bitonic", "warp-fast+torch", "warp-split+torch"],
 )
 
 
@@ -145,8 +148,9 @@ def test_padded_keys_are_never_selected(cfg: IndexerConfig, device: str) -> None
         {"kernel": "cta"},
         {"kernel": "warp"},
         {"kernel": "warp", "compare": "float", "prefetch": True, "interior": True},
+        {"kernel": "warp", "split": True},
     ],
-    ids=["cta", "warp", "warp-fast"],
+    ids=["cta", "warp", "warp-fast", "warp-split"],
 )
 def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
     # A one-pass budget and a single 16-score sample run force misses (flagged rows -> torch path); a wide
@@ -176,8 +180,10 @@ def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
         {"prefetch": True},
         {"interior": True},
         {"compare": "float", "prefetch": True, "interior": True},
+        {"split": True},
+        {"split": True, "compare": "float", "prefetch": True},
     ],
-    ids=["ukey", "float", "prefetch", "interior", "float-prefetch-interior"],
+    ids=["ukey", "float", "prefetch", "interior", "float-prefetch-interior", "split", "split-fast"],
 )
 def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> None:
     # The GPU geometry of the warp kernel (one row a program) and both load paths: the
@@ -236,6 +242,7 @@ def test_bitonic_order_equals_the_stable_sort() -> None:
         ("warp_max_registers", 300),
         ("chunk", 24),
         ("compare", "int"),
+        ("compact_max_registers", 8),
     ],
 )
 def test_topk_config_rejects_bad_values(field: str, value: object) -> None:
@@ -245,6 +252,8 @@ def test_topk_config_rejects_bad_values(field: str, value: object) -> None:
         TopkConfig(kernel="warp", select="radix")
     with pytest.raises(ValueError, match="one-warp kernel options"):
         TopkConfig(kernel="cta", prefetch=True)
+    with pytest.raises(ValueError, match="one-warp kernel options"):
+        TopkConfig(kernel="cta", split=True)
 
 
 @triton.jit

@@ -1,0 +1,244 @@
+"""Where the top-k select's time goes (issue 5 diagnostic; GPU only).
+
+    PYTHONPATH=. python3 benchmarks/select_probe.py --out $OUT/probe
+
+The H200 run of 2026-12-03 measured the one-warp select at 9.9 ms for S = 64K, H = 64 (64K rows,
+2.1e9 in-range scores: ~0.87 TB/s of the card's ~4.8), and none of three compaction changes
+(float threshold test, unmasked interior blocks, prefetched blocks) moved it. This probe splits
+the time without guessing:
+
+1. a per-row cost model: R rows that all hold n in-range scores (random normal fp32), n in
+   {8K, 16K, 32K, 64K}: select ms = R * (fixed + per_score * n) / concurrency, so the
+   intercept of ms against n is the per-row fixed part (threshold select, exact select,
+   staging write) and the slope is the compaction pass;
+2. the same at topk 256 (candidate buffer 512 instead of 4096: a cheap exact select);
+3. each variant's compiled kernel: registers, spills, shared memory, programs an SM, and SASS
+   instruction counts (total, shuffles, global loads / stores, barriers) when cuobjdump runs;
+4. the order step (stable torch sort + gather) on the same R rows, and torch.topk for scale.
+
+Writes select_probe.json and select_probe.md under --out; nothing is appended to RESULTS.md
+by the device run (`--append-results DIR` appends the markdown here afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from kernels.order import finish_topk
+from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig, TopkWorkspace, _select_kernel, launch_select
+
+TITLE = "fp8 indexer (issue 5): where the top-k select's time goes"
+ROWS = 16384
+LENGTHS = (8192, 16384, 32768, 65536)
+_FIXED = FIXED_TOPK_CONFIG
+VARIANTS: dict[str, TopkConfig] = {
+    "fixed (warp, block 512)": _FIXED,
+    "maxnreg 128": dataclasses.replace(_FIXED, warp_max_registers=128),
+    "float+prefetch": dataclasses.replace(_FIXED, compare="float", prefetch=True),
+    "split 64": dataclasses.replace(_FIXED, split=True, compact_max_registers=64),
+    "split 96": dataclasses.replace(_FIXED, split=True, compact_max_registers=96),
+    "split 128": dataclasses.replace(_FIXED, split=True, compact_max_registers=128),
+    "split 64 float+prefetch": dataclasses.replace(
+        _FIXED, split=True, compact_max_registers=64, compare="float", prefetch=True
+    ),
+    "split 96 float+prefetch": dataclasses.replace(
+        _FIXED, split=True, compact_max_registers=96, compare="float", prefetch=True
+    ),
+    "split 96 float+prefetch+interior": dataclasses.replace(
+        _FIXED,
+        split=True,
+        compact_max_registers=96,
+        compare="float",
+        prefetch=True,
+        interior=True,
+    ),
+}
+
+
+def event_ms(fn, reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def compiled_select_kernels() -> dict:
+    """{cache key: CompiledKernel} of `_select_kernel` on the current device."""
+    found = {}
+    for cache in _select_kernel.device_caches.values():
+        found.update(cache[0])
+    return found
+
+
+def kernel_facts(ck) -> dict:
+    facts: dict = {}
+    for name in ("n_regs", "n_spills"):
+        facts[name] = getattr(ck, name, None)
+    md = ck.metadata
+    facts["shared"] = getattr(md, "shared", None)
+    facts["num_warps"] = getattr(md, "num_warps", None)
+    try:
+        sass = ck.asm["sass"]
+        ops = []
+        for ln in sass.splitlines():
+            m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", ln)
+            if m:
+                ops.append(m.group(2))
+        base = [op.split(".")[0] for op in ops]
+        facts["sass_instructions"] = len(ops)
+        for op in ("SHFL", "LDG", "STG", "BAR", "BRA", "ISETP", "FSETP", "IADD3", "LOP3", "SEL"):
+            facts[f"sass_{op}"] = base.count(op)
+    except Exception as exc:  # cuobjdump missing: the counts stay out
+        facts["sass_error"] = repr(exc)[:200]
+    return facts
+
+
+def probe(out: Path | None) -> dict:
+    dev = torch.device("cuda")
+    width = max(LENGTHS)
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn((ROWS, width), device=dev, generator=g)
+    ks = torch.zeros(ROWS, dtype=torch.int32, device=dev)
+    res: dict = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "command": command_line(),
+        "rows": ROWS,
+        "timings": [],
+        "kernels": {},
+        "order": {},
+    }
+    for name, cfg in VARIANTS.items():
+        for topk in (2048, 256):
+            ws = TopkWorkspace.allocate(ROWS, topk, cfg, dev)
+            before = set(compiled_select_kernels())
+            for n in LENGTHS:
+                ke = torch.full((ROWS,), n, dtype=torch.int32, device=dev)
+                ms = event_ms(
+                    lambda ke=ke, ws=ws, topk=topk, cfg=cfg: launch_select(
+                        logits, 0, ks, ke, ws, topk=topk, row0=0, n_rows=ROWS, sentinel=width,
+                        config=cfg,
+                    )
+                )  # fmt: skip
+                flagged = int(ws.status[:ROWS].sum())
+                res["timings"].append(
+                    {"variant": name, "topk": topk, "n": n, "ms": ms, "flagged": flagged}
+                )
+                print(json.dumps(res["timings"][-1]), flush=True)
+            new = [k for k in compiled_select_kernels() if k not in before]
+            for i, key in enumerate(new if topk == 2048 else []):
+                label = name if len(new) == 1 else f"{name} (launch {i + 1})"
+                ck = compiled_select_kernels()[key]
+                res["kernels"][label] = kernel_facts(ck)
+                print(label, json.dumps(res["kernels"][label]), flush=True)
+                if out is not None and name.startswith("fixed"):
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / "fixed_select.sass").write_text(str(ck.asm.get("sass", "")))
+            if name.startswith("fixed") and topk == 2048:
+                res["order"]["stable sort + gather"] = event_ms(
+                    lambda ws=ws: finish_topk(ws, ROWS, 2048)
+                )
+            del ws
+    for n in (8192, 65536):
+        res["order"][f"torch.topk over [{ROWS}, {n}]"] = event_ms(
+            lambda n=n: torch.topk(logits[:, :n], 2048, dim=1)
+        )
+    res["fit"] = fit(res["timings"])
+    res["markdown"] = markdown(res)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "select_probe.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "select_probe.md").write_text(res["markdown"])
+    print(res["markdown"], flush=True)
+    return res
+
+
+def fit(timings: list[dict]) -> list[dict]:
+    """Least-squares ms = a + b * n per (variant, topk): a = the per-row fixed part over all rows."""
+    rows = []
+    keys = sorted({(t["variant"], t["topk"]) for t in timings}, key=str)
+    for var, topk in keys:
+        pts = [(t["n"], t["ms"]) for t in timings if t["variant"] == var and t["topk"] == topk]
+        mx = statistics.fmean(n for n, _ in pts)
+        my = statistics.fmean(m for _, m in pts)
+        b = sum((n - mx) * (m - my) for n, m in pts) / sum((n - mx) ** 2 for n, _ in pts)
+        rows.append(
+            {"variant": var, "topk": topk, "fixed_ms": my - b * mx, "ms_per_1k_scores": b * 1024}
+        )
+    return rows
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        f"Measured {res['date']}. {res['rows']} rows of n in-range scores each (random normal fp32), one select launch; "
+        "CUDA-event medians of 5.\n",
+    ]
+    by = {(t["variant"], t["topk"], t["n"]): t for t in res["timings"]}
+    head = [
+        "variant",
+        "topk",
+        *(f"n={n // 1024}K ms" for n in LENGTHS),
+        "fixed part ms",
+        "ms per 1K scores/row",
+        "flagged rows (64K)",
+    ]
+    body = []
+    for f in res["fit"]:
+        v, k = f["variant"], f["topk"]
+        body.append(
+            [v, k, *(f"{by[(v, k, n)]['ms']:.2f}" for n in LENGTHS), f"{f['fixed_ms']:.2f}",
+             f"{f['ms_per_1k_scores']:.3f}", by[(v, k, max(LENGTHS))]["flagged"]]
+        )  # fmt: skip
+    lines.append(markdown_table(head, body))
+    if res["kernels"]:
+        names = sorted({k for facts in res["kernels"].values() for k in facts})
+        lines.append("\nCompiled select kernels (topk 2048):\n")
+        lines.append(
+            markdown_table(
+                ["variant", *names],
+                [[v, *(facts.get(k, "") for k in names)] for v, facts in res["kernels"].items()],
+            )
+        )
+    lines.append("\nOrder step and torch.topk on the same rows:\n")
+    lines.append(markdown_table(["what", "ms"], [[k, f"{v:.2f}"] for k, v in res["order"].items()]))
+    return "\n".join(lines) + "\n"
+
+
+def append_probe_results(path: Path) -> None:
+    res = json.loads(Path(path).read_text())
+    append_result(TITLE, res["markdown"], machine=res["machine"], command=res["command"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="", help="folder for select_probe.json / .md")
+    ap.add_argument("--append-results", default="", help="append a fetched select_probe.json")
+    args = ap.parse_args()
+    if args.append_results:
+        append_probe_results(Path(args.append_results))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("select_probe.py needs a CUDA GPU")
+    probe(Path(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()
