@@ -1,0 +1,209 @@
+"""Does the logits kernel's rate depend on how long it has been running? (issue 5 diagnostic; GPU only)
+
+    PYTHONPATH=. python3 benchmarks/logits_clock_probe.py --out $OUT/clocks
+
+The H200 runs of 2026-12-03 timed the fixed logits config at S = 64K, H = 64, causal at 37.9 ms
+(928 TFLOP/s) in the logits sweep, where it runs back to back with the other configs, and at
+34.6 ms (1019 TFLOP/s) inside the end-to-end call, where each chunk's logits follow a select
+and a sort that load the tensor cores far less. This probe times the same launches in three
+regimes while `nvidia-smi` samples the SM clock, the power draw and the active clock-event
+(throttle) reasons every 100 ms:
+
+1. cold: one call after 2 s idle, five times;
+2. sustained: back to back for ~10 s (the sweep's regime), the median of the last 5 s;
+3. interleaved: each logits call followed by the top-k of its chunks (the end-to-end regime).
+
+Writes logits_clock_probe.json and .md under --out; `--append-results FILE` appends the
+markdown to benchmarks/RESULTS.md here afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from benchmarks.bench_indexer import TOPK, D, logits_runner, random_row, row_ranges
+from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
+from kernels.logits import FIXED_LOGITS_CONFIG
+
+TITLE = "fp8 indexer (issue 5): logits rate against clock and power"
+S, H = 65536, 64
+FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
+class Sampler:
+    """`nvidia-smi` in the background, one CSV line every 100 ms."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def stop(self) -> list[dict]:
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        rows = []
+        for line in out.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 5:
+                continue
+            try:
+                stamp = _dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                rows.append(
+                    {"t": stamp, "sm_mhz": float(parts[1]), "power_w": float(parts[2]),
+                     "temp_c": float(parts[3]), "reasons": parts[4]}
+                )  # fmt: skip
+            except ValueError:
+                continue
+        return rows
+
+
+def window(samples: list[dict], spans: list[tuple[float, float]], pad: float = 0.15) -> dict:
+    """Clock, power and reasons over the samples inside any of the spans (widened by pad s:
+    a 35 ms call may fall between two 100 ms samples)."""
+    inside = [s for s in samples if any(t0 - pad <= s["t"] <= t1 + pad for t0, t1 in spans)]
+    if not inside:
+        return {"sm_mhz": float("nan"), "power_w": float("nan"), "reasons": "-", "n": 0}
+    reasons = sorted({s["reasons"] for s in inside})
+    return {
+        "sm_mhz": statistics.median(s["sm_mhz"] for s in inside),
+        "power_w": statistics.median(s["power_w"] for s in inside),
+        "temp_c": max(s["temp_c"] for s in inside),
+        "reasons": " ".join(reasons),
+        "n": len(inside),
+    }
+
+
+def timed(fn) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def probe(out: Path | None) -> dict:
+    ks, ke = row_ranges(S, packed=False)
+    pairs = int((ke - ks).clamp_min(0).sum())
+    flops = 2 * H * D * pairs
+    q, k, w = random_row(S, H, seed=1)
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    run = logits_runner(p, FIXED_LOGITS_CONFIG)
+    run()
+    indexer_topk_prepared(p, TOPK, FIXED_CONFIG)
+    torch.cuda.synchronize()
+    sampler = Sampler()
+    regimes = []
+
+    time.sleep(2.0)
+    cold = []
+    for _ in range(5):
+        time.sleep(2.0)
+        t0 = time.time()
+        cold.append((timed(run), t0, time.time()))
+    regimes.append(("cold (one call after 2 s idle)", cold))
+
+    time.sleep(2.0)
+    sustained = []
+    t_start = time.time()
+    while time.time() - t_start < 10.0:
+        t0 = time.time()
+        sustained.append((timed(run), t0, time.time()))
+    regimes.append(
+        ("sustained (back to back, last 5 s)", [x for x in sustained if x[1] >= t_start + 5])
+    )
+
+    time.sleep(2.0)
+    inter = []
+    t_start = time.time()
+    while time.time() - t_start < 10.0:
+        stats = {"timing": True}
+        t0 = time.time()
+        indexer_topk_prepared(p, TOPK, FIXED_CONFIG, stats=stats)
+        inter.append((stats["logits_ms"], t0, time.time()))
+    regimes.append(
+        (
+            "interleaved with the top-k (end to end, last 5 s)",
+            [x for x in inter if x[1] >= t_start + 5],
+        )
+    )
+    samples = sampler.stop()
+
+    res: dict = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "command": command_line(),
+        "regimes": [],
+        "samples": samples,
+    }
+    for name, xs in regimes:
+        ms = statistics.median(x[0] for x in xs)
+        clk = window(samples, [(x[1], x[2]) for x in xs])
+        res["regimes"].append(
+            {"regime": name, "calls": len(xs), "logits_ms": ms, "tflops": flops / (ms * 1e9)} | clk
+        )
+        print(json.dumps(res["regimes"][-1]), flush=True)
+    res["markdown"] = markdown(res)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "logits_clock_probe.json").write_text(json.dumps(res, indent=1))
+        (out / "logits_clock_probe.md").write_text(res["markdown"])
+    print(res["markdown"], flush=True)
+    return res
+
+
+def markdown(res: dict) -> str:
+    head = [
+        "regime",
+        "calls",
+        "logits ms (median)",
+        "TFLOP/s",
+        "SM MHz (median)",
+        "power W (median)",
+        "max temp C",
+        "clock-event reasons seen",
+    ]
+    body = [
+        [r["regime"], r["calls"], f"{r['logits_ms']:.2f}", f"{r['tflops']:.0f}", f"{r['sm_mhz']:.0f}",
+         f"{r['power_w']:.0f}", r.get("temp_c", "-"), r["reasons"]]
+        for r in res["regimes"]
+    ]  # fmt: skip
+    return (
+        f"Measured {res['date']}. Fixed logits config {FIXED_LOGITS_CONFIG.label}, S = {S // 1024}K, "
+        f"H = {H}, causal (all chunks of one call); nvidia-smi sampled every 100 ms.\n\n"
+        + markdown_table(head, body)
+        + "\n"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="", help="folder for logits_clock_probe.json / .md")
+    ap.add_argument("--append-results", default="", help="append a fetched logits_clock_probe.json")
+    args = ap.parse_args()
+    if args.append_results:
+        res = json.loads(Path(args.append_results).read_text())
+        append_result(TITLE, res["markdown"], machine=res["machine"], command=res["command"])
+        return
+    if not torch.cuda.is_available():
+        sys.exit("logits_clock_probe.py needs a CUDA GPU")
+    probe(Path(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()
