@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from benchmarks.bench_indexer import event_ms
 from kernels.order import finish_topk
 from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig, TopkWorkspace, _select_kernel, launch_select
 
@@ -65,19 +66,6 @@ VARIANTS: dict[str, TopkConfig] = {
         interior=True,
     ),
 }
-
-
-def event_ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def compiled_select_kernels() -> dict:
@@ -136,7 +124,8 @@ def probe(out: Path | None) -> dict:
                     lambda ke=ke, ws=ws, topk=topk, cfg=cfg: launch_select(
                         logits, 0, ks, ke, ws, topk=topk, row0=0, n_rows=ROWS, sentinel=width,
                         config=cfg,
-                    )
+                    ),
+                    reps=5,
                 )  # fmt: skip
                 flagged = int(ws.status[:ROWS].sum())
                 res["timings"].append(
@@ -154,12 +143,12 @@ def probe(out: Path | None) -> dict:
                     (out / "fixed_select.sass").write_text(str(ck.asm.get("sass", "")))
             if name.startswith("fixed") and topk == 2048:
                 res["order"]["stable sort + gather"] = event_ms(
-                    lambda ws=ws: finish_topk(ws, ROWS, 2048)
+                    lambda ws=ws: finish_topk(ws, ROWS, 2048), reps=5
                 )
             del ws
     for n in (8192, 65536):
         res["order"][f"torch.topk over [{ROWS}, {n}]"] = event_ms(
-            lambda n=n: torch.topk(logits[:, :n], 2048, dim=1)
+            lambda n=n: torch.topk(logits[:, :n], 2048, dim=1), reps=5
         )
     res["fit"] = fit(res["timings"])
     res["markdown"] = markdown(res)
@@ -189,7 +178,8 @@ def fit(timings: list[dict]) -> list[dict]:
 def markdown(res: dict) -> str:
     lines = [
         f"Measured {res['date']}. {res['rows']} rows of n in-range scores each (random normal fp32), one select launch; "
-        "CUDA-event medians of 5.\n",
+        "CUDA-event medians (>= 5 repetitions and >= 40 ms of timed work; the runs of "
+        "2026-12-03: 5).\n",
     ]
     by = {(t["variant"], t["topk"], t["n"]): t for t in res["timings"]}
     head = [
