@@ -159,6 +159,8 @@ TOPK_VARIANTS = {
     "interior": TopkConfig(**_WARP, interior=True),
     "prefetch": TopkConfig(**_WARP, prefetch=True),
     "float+interior+prefetch": TopkConfig(**_WARP, compare="float", interior=True, prefetch=True),
+    "split": TopkConfig(**_WARP, split=True),
+    "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
 }
 
 
