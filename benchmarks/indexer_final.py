@@ -30,6 +30,7 @@ RESULTS.md section under "markdown", indexer_final.md), so a run cut short keeps
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -64,7 +65,7 @@ from kernels.fp8_indexer import (
     prepare_inputs,
 )
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
-from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
+from kernels.topk import FIXED_TOPK_CONFIG, ONE_LAUNCH_TOPK_CONFIG, TopkConfig
 
 TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 
@@ -76,21 +77,21 @@ LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
     LogitsConfig(128, 64, 4, 4),
     LogitsConfig(256, 64, 8, 3),
 )
-WARP_TOPK = FIXED_TOPK_CONFIG  # the one-warp select, block 512, chunk 512
 CTA_TOPK = TopkConfig()  # run 2's fixed top-k
-# The one-warp select's options (kernels/topk.py): the float threshold test with raw-bit
-# candidates and prefetched blocks, and the split into a compaction launch capped at 96
-# registers and the exact select at 168 (the select probe of 2026-12-03 put the split 8-10%
-# ahead at every row length). Same indices as the fixed config (checked per call).
-FAST = {"kernel": "warp", "block": 512, "chunk": 512}
+# The one-warp select's options (kernels/topk.py): the committed split (compaction launch at
+# 96 registers, exact select at 168), the one-launch kernel it replaced, the same split at 128,
+# and the float threshold test with raw-bit candidates and prefetched blocks. Same indices as
+# the fixed config (checked per call).
 TOPK_CANDIDATES: dict[str, TopkConfig] = {
-    "warp select + torch sort (fixed)": WARP_TOPK,
+    "warp select split + torch sort (fixed)": FIXED_TOPK_CONFIG,
     "cta select + torch sort (run 2)": CTA_TOPK,
-    "warp float prefetch": TopkConfig(**FAST, compare="float", prefetch=True),
-    "warp split 96": TopkConfig(**FAST, split=True, compact_max_registers=96),
-    "warp split 128": TopkConfig(**FAST, split=True, compact_max_registers=128),
+    "warp one launch (2026-12-02)": ONE_LAUNCH_TOPK_CONFIG,
+    "warp split 128": dataclasses.replace(FIXED_TOPK_CONFIG, compact_max_registers=128),
+    "warp float prefetch": dataclasses.replace(
+        ONE_LAUNCH_TOPK_CONFIG, compare="float", prefetch=True
+    ),
 }
-FIXED_TOPK_NAME = "warp select + torch sort (fixed)"
+FIXED_TOPK_NAME = "warp select split + torch sort (fixed)"
 # End to end: (logits, top-k, chunk overlap). The first is the fixed config; the overlap lost
 # twice on the H200 (2026-12-02 and -03) and is measured once more with the fixed top-k.
 E2E_COMBOS: tuple[tuple[LogitsConfig, str, str], ...] = (

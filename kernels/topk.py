@@ -189,8 +189,14 @@ class TopkConfig:
 
 # The one-warp select with the stable torch sort: same indices as the CTA kernel (checked
 # bitwise end to end), select 16.9 -> 10.4 ms and the whole 64K/H=64 call 57.4 -> 51.6 ms in
-# the candidates run (benchmarks/RESULTS.md, "final candidates"; H100 SXM).
-FIXED_TOPK_CONFIG = TopkConfig(kernel="warp", block=512, chunk=512)
+# the candidates run (benchmarks/RESULTS.md, "final candidates"; H100 SXM). Split in two
+# launches since the H200 runs of 2026-12-03: the compaction capped at 96 registers, the exact
+# select at 168; select 10.3 -> 9.1 ms at 64K/H=64 (8-11% at every row length in the select
+# probe), same indices.
+ONE_LAUNCH_TOPK_CONFIG = TopkConfig(kernel="warp", block=512, chunk=512)
+FIXED_TOPK_CONFIG = TopkConfig(
+    kernel="warp", block=512, chunk=512, split=True, compact_max_registers=96
+)
 
 
 @triton.jit

@@ -94,7 +94,7 @@ def test_e2e_combos_cover_every_candidate_once() -> None:
     assert len(set(combos)) == len(combos)
     assert {lc for lc, _, _ in combos} == set(LOGITS_CANDIDATES)
     assert {tn for _, tn, _ in combos} == set(TOPK_CANDIDATES)
-    assert combos[0] == (FIXED_LOGITS_CONFIG, "warp select + torch sort (fixed)", "none")
+    assert combos[0] == (FIXED_LOGITS_CONFIG, "warp select split + torch sort (fixed)", "none")
     assert {ov for _, _, ov in combos} == {"none", "priority"}
     # every top-k candidate runs with the fixed logits config on one stream
     assert {tn for lc, tn, ov in combos if lc == FIXED_LOGITS_CONFIG and ov == "none"} == set(

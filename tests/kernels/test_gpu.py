@@ -159,7 +159,8 @@ TOPK_VARIANTS = {
     "interior": TopkConfig(**_WARP, interior=True),
     "prefetch": TopkConfig(**_WARP, prefetch=True),
     "float+interior+prefetch": TopkConfig(**_WARP, compare="float", interior=True, prefetch=True),
-    "split": TopkConfig(**_WARP, split=True),
+    "one launch": TopkConfig(**_WARP),  # the fixed top-k before the split
+    "split 128": TopkConfig(**_WARP, split=True, compact_max_registers=128),
     "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
 }
 
