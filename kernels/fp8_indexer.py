@@ -61,8 +61,9 @@ class IndexerConfig:
     max_chunk_bytes: int = 8 << 30  # logits + top-k workspace of the chunks in flight
     # "none": every kernel on the current stream; "stream": chunk i's top-k on a second stream
     # while chunk i+1's logits run; "priority": the same with the second stream at high
-    # priority. On the H200 (64K, H=64 causal) the overlap lost: 53.1 ms against 52.3 serial,
-    # the logits stretch from 35 to ~49 ms when the select shares their SMs (both issue bound)
+    # priority. On the H200 (64K, H=64 causal) the overlap lost in 3 of 4 runs (51.1 ms against
+    # 48.7 serial in the last): the logits stretch from 35 to ~48 ms when the select shares
+    # their SMs (docs/KERNELS.md, v5)
     overlap: Literal["none", "stream", "priority"] = "none"
 
     def __post_init__(self) -> None:
