@@ -7,6 +7,7 @@ command, so RESULTS.md is a log of what was measured where (newest at the bottom
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import shlex
@@ -73,3 +74,18 @@ def append_result(
         )
     with RESULTS_MD.open("a") as f:
         f.write(section)
+
+
+def append_saved_result(path: Path | str, title: str, what: str) -> str:
+    """Append the section a GPU run saved as JSON (keys markdown, machine, command) under
+    `title`; returns the markdown. `what` names the file in errors, e.g. "indexer_final.json
+    from `bench_indexer.py --final`"."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a saved results file ({e}); pass the {what}") from e
+    for key in ("markdown", "command", "machine"):
+        if key not in saved:
+            raise ValueError(f"{path}: no {key!r} key; not the {what}")
+    append_result(title, saved["markdown"], command=saved["command"], machine=saved["machine"])
+    return saved["markdown"]

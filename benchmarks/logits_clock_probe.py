@@ -32,7 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from benchmarks._results import (
+    append_saved_result,
+    command_line,
+    machine_description,
+    markdown_table,
+)
 from benchmarks.bench_indexer import TOPK, D, logits_runner, random_row, row_ranges
 from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
 from kernels.logits import FIXED_LOGITS_CONFIG
@@ -197,8 +202,9 @@ def main() -> None:
     ap.add_argument("--append-results", default="", help="append a fetched logits_clock_probe.json")
     args = ap.parse_args()
     if args.append_results:
-        res = json.loads(Path(args.append_results).read_text())
-        append_result(TITLE, res["markdown"], machine=res["machine"], command=res["command"])
+        append_saved_result(
+            args.append_results, TITLE, "logits_clock_probe.json from `logits_clock_probe.py --out`"
+        )
         return
     if not torch.cuda.is_available():
         sys.exit("logits_clock_probe.py needs a CUDA GPU")

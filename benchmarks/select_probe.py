@@ -35,7 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from benchmarks._results import (
+    append_saved_result,
+    command_line,
+    machine_description,
+    markdown_table,
+)
 from benchmarks.bench_indexer import event_ms
 from kernels.order import finish_topk
 from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig, TopkWorkspace, _select_kernel, launch_select
@@ -212,18 +217,15 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def append_probe_results(path: Path) -> None:
-    res = json.loads(Path(path).read_text())
-    append_result(TITLE, res["markdown"], machine=res["machine"], command=res["command"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="", help="folder for select_probe.json / .md")
     ap.add_argument("--append-results", default="", help="append a fetched select_probe.json")
     args = ap.parse_args()
     if args.append_results:
-        append_probe_results(Path(args.append_results))
+        append_saved_result(
+            args.append_results, TITLE, "select_probe.json from `select_probe.py --out`"
+        )
         return
     if not torch.cuda.is_available():
         sys.exit("select_probe.py needs a CUDA GPU")

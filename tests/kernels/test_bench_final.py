@@ -117,3 +117,25 @@ def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> Non
     (tmp_path / "indexer_meta.json").unlink()
     with pytest.raises(ValueError, match=r"indexer_meta\.json"):
         append_bench_results(tmp_path)
+
+
+@pytest.mark.parametrize("module", ["select_probe", "logits_clock_probe"])
+def test_probe_results_append_and_bad_files_are_refused(
+    module: str, tmp_path: Path, monkeypatch
+) -> None:
+    import importlib
+    import sys
+
+    probe = importlib.import_module(f"benchmarks.{module}")
+    saved = tmp_path / f"{module}.json"
+    saved.write_text(
+        json.dumps({"markdown": "| a |\n", "command": f"python {module}.py", "machine": "H200"})
+    )
+    monkeypatch.setattr(results_module, "RESULTS_MD", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(sys, "argv", [module, "--append-results", str(saved)])
+    probe.main()
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert f"## {probe.TITLE}" in text and "- machine: H200" in text and "| a |" in text
+    saved.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read a saved results file"):
+        probe.main()

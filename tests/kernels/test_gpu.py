@@ -20,7 +20,7 @@ from kernels import (
     reference_topk,
     topk_rows_torch,
 )
-from kernels.topk import TopkWorkspace
+from kernels.topk import ONE_LAUNCH_TOPK_CONFIG, TopkWorkspace
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 pytestmark = pytest.mark.gpu
@@ -159,7 +159,7 @@ TOPK_VARIANTS = {
     "interior": TopkConfig(**_WARP, interior=True),
     "prefetch": TopkConfig(**_WARP, prefetch=True),
     "float+interior+prefetch": TopkConfig(**_WARP, compare="float", interior=True, prefetch=True),
-    "one launch": TopkConfig(**_WARP),  # the fixed top-k before the split
+    "one launch": ONE_LAUNCH_TOPK_CONFIG,  # the fixed top-k before the split
     "split 128": TopkConfig(**_WARP, split=True, compact_max_registers=128),
     "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
 }

@@ -283,4 +283,4 @@ def test_float_threshold_test_equals_the_key_test(device: str) -> None:
     got = got.cpu().view(32, 32)
     assert ((got == 0) | (got == 3)).all(), "float and key tests disagree"
     assert (got[:, 0] == 3).all()  # threshold key 0 takes everything, -inf included
-    assert got[1, 0 + 2] == 0 and got[0, 1] == 3 and got[1, 0] == 3  # -0.0 >= +0.0 and back
+    assert got[1, 2] == 0 and got[0, 1] == 3 and got[1, 0] == 3  # -0.0 vs 1.0, +0.0, take-all
