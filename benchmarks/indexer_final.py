@@ -70,7 +70,7 @@ from kernels.fp8_indexer import (
     prepare_inputs,
 )
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
-from kernels.topk import FIXED_TOPK_CONFIG, ONE_LAUNCH_TOPK_CONFIG, TopkConfig
+from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
 
 TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 
@@ -82,27 +82,27 @@ LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
     LogitsConfig(128, 64, 4, 4),
     LogitsConfig(256, 64, 8, 3),
 )
-CTA_TOPK = TopkConfig()  # run 2's fixed top-k
-# The one-warp select's options (kernels/topk.py): the committed split (compaction launch at
-# 96 registers, exact select at 168), the one-launch kernel it replaced, the same split at 128,
-# and the float threshold test with raw-bit candidates and prefetched blocks. Same indices as
-# the fixed config (checked per call).
+# The split one-warp select with the compaction's positions from warp ballots instead of a
+# prefix sum (kernels/topk.py, `compact="ballot"`), with the float threshold test and a few
+# block sizes; the morning's candidates (run 2's CTA select, the one-launch kernel, split 128,
+# float + prefetch) all lost to the fixed split. Same indices as the fixed config (checked per
+# call).
+_BALLOT = dataclasses.replace(FIXED_TOPK_CONFIG, compact="ballot", compare="float")
 TOPK_CANDIDATES: dict[str, TopkConfig] = {
     "warp select split + torch sort (fixed)": FIXED_TOPK_CONFIG,
-    "cta select + torch sort (run 2)": CTA_TOPK,
-    "warp one launch (2026-12-02)": ONE_LAUNCH_TOPK_CONFIG,
-    "warp split 128": dataclasses.replace(FIXED_TOPK_CONFIG, compact_max_registers=128),
-    "warp float prefetch": dataclasses.replace(
-        ONE_LAUNCH_TOPK_CONFIG, compare="float", prefetch=True
-    ),
+    "ballot 512": dataclasses.replace(FIXED_TOPK_CONFIG, compact="ballot"),
+    "ballot float 256": dataclasses.replace(_BALLOT, block=256),
+    "ballot float 512 prefetch": dataclasses.replace(_BALLOT, prefetch=True),
+    "ballot float 128 prefetch": dataclasses.replace(_BALLOT, block=128, prefetch=True),
 }
 FIXED_TOPK_NAME = "warp select split + torch sort (fixed)"
 # End to end: (logits, top-k, chunk overlap). The first is the fixed config; the overlap lost
-# in 3 of 4 H200 runs (2026-12-02 and -03) and is measured once more with the fixed top-k.
+# in 3 of 4 H200 runs (2026-12-02 and -03); a faster, memory-bound select may change that.
 E2E_COMBOS: tuple[tuple[LogitsConfig, str, str], ...] = (
     (FIXED_LOGITS_CONFIG, FIXED_TOPK_NAME, FIXED_CONFIG.overlap),
     *((FIXED_LOGITS_CONFIG, name, "none") for name in list(TOPK_CANDIDATES)[1:]),
     (FIXED_LOGITS_CONFIG, FIXED_TOPK_NAME, "priority"),
+    (FIXED_LOGITS_CONFIG, "ballot float 256", "priority"),
     (LOGITS_CANDIDATES[1], FIXED_TOPK_NAME, FIXED_CONFIG.overlap),
     (LOGITS_CANDIDATES[2], FIXED_TOPK_NAME, FIXED_CONFIG.overlap),
 )

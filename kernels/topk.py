@@ -46,6 +46,7 @@ stable sort and gather 5.6 ms; docs/KERNELS.md has the sweep and the candidates'
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +61,118 @@ I32_MIN = -(2**31)
 _SELECTS = {"radix": 1, "bitwise": 0}  # constexpr RADIX of the CTA kernel
 _KERNELS = ("cta", "warp")  # `_select_kernel` with WARP = False / True
 _ORDERS = ("torch", "bitonic")  # staging -> output: `kernels.order`
+_COMPACTS = ("scan", "ballot")  # compaction positions: `_compact_pass`
+
+
+def ballot_asm(per_thread: int, vec: int = 4) -> str:
+    """PTX of the ballot compaction's positions for one lane's `per_thread` elements.
+
+    The block is a [1, 32 * per_thread] tensor of one warp whose blocked layout gives lane L
+    the `vec`-element runs at columns r * 32 * vec + L * vec + j (r < per_thread // vec,
+    j < vec), handed to the asm in that (r, j) order. Operands: $0..$(n-1) out: the exclusive
+    position base + #(selected columns before this one), or INT32_MAX where not selected;
+    $n..$(2n-1) out: base + #(selected in the block) (every element the same); $2n..$(3n-1)
+    in: 0/1 selected; $3n in: the running base (the next n-1 inputs are copies, unread). Per
+    run of 32 * vec columns: one ballot an element slot, popc(mask & lanemask_lt) counts the
+    lower lanes' selections, popc(mask) the run's total; then the in-lane prefix. Stable:
+    positions follow the column order, exactly `cumsum(sel) - 1` of the scan path.
+    """
+    n = per_thread
+    if n % vec:
+        raise ValueError(f"ballot_asm: per_thread={n} is not a multiple of vec={vec}")
+    lines = [
+        "{",
+        ".reg .pred %bp;",
+        ".reg .b32 %blt, %bm, %bt, %blow, %btot, %bb, %bpos;",
+        "mov.u32 %blt, %lanemask_lt;",
+        f"mov.b32 %bb, ${3 * n};",
+    ]
+    for r in range(n // vec):
+        lines += ["mov.b32 %blow, 0;", "mov.b32 %btot, 0;"]
+        for j in range(vec):
+            e = r * vec + j
+            lines += [
+                f"setp.ne.b32 %bp, ${2 * n + e}, 0;",
+                "vote.sync.ballot.b32 %bm, %bp, 0xffffffff;",
+                "popc.b32 %bt, %bm;",
+                "add.u32 %btot, %btot, %bt;",
+                "and.b32 %bt, %bm, %blt;",
+                "popc.b32 %bt, %bt;",
+                "add.u32 %blow, %blow, %bt;",
+            ]
+        lines.append("add.u32 %bpos, %bb, %blow;")
+        for j in range(vec):
+            e = r * vec + j
+            lines += [
+                f"setp.ne.b32 %bp, ${2 * n + e}, 0;",
+                f"selp.b32 ${e}, %bpos, 2147483647, %bp;",
+                f"add.u32 %bpos, %bpos, ${2 * n + e};",
+            ]
+        lines.append("add.u32 %bb, %bb, %btot;")
+    lines += [f"mov.b32 ${n + e}, %bb;" for e in range(n)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def ballot_constraints(per_thread: int) -> str:
+    """Constraints of `ballot_asm(per_thread)`: 2n int32 outputs, 2n int32 inputs."""
+    n = per_thread
+    return ",".join(["=r"] * (2 * n) + ["r"] * (2 * n))
+
+
+# One asm per supported block (a one-warp program: BLOCK // 32 elements a lane).
+_BALLOT_ASM_128 = tl.constexpr(ballot_asm(4))
+_BALLOT_CONS_128 = tl.constexpr(ballot_constraints(4))
+_BALLOT_ASM_256 = tl.constexpr(ballot_asm(8))
+_BALLOT_CONS_256 = tl.constexpr(ballot_constraints(8))
+_BALLOT_ASM_512 = tl.constexpr(ballot_asm(16))
+_BALLOT_CONS_512 = tl.constexpr(ballot_constraints(16))
+_BALLOT_ASM_1024 = tl.constexpr(ballot_asm(32))
+_BALLOT_CONS_1024 = tl.constexpr(ballot_constraints(32))
+BALLOT_BLOCKS = (128, 256, 512, 1024)
+
+
+@triton.jit
+def _store_i32_asm(ptrs, vals, mask):
+    """`tl.store(ptrs, vals, mask=mask)` for int32 as inline PTX, one element an instance.
+
+    An elementwise op keeps its operands' layout: a scattered `tl.store` makes Triton convert
+    the pointers, values and mask to a one-element-a-lane layout through shared memory (three
+    conversions a store in the compaction loop, ~40 instructions a lane and a barrier)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %sp; setp.ne.b32 %sp, $3, 0; @%sp st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs, vals, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _ballot_positions(sel, base, BLOCK: tl.constexpr):
+    """(exclusive position or INT32_MAX, new base) of each element of sel [1, BLOCK] (one warp).
+
+    GPU only (inline PTX: warp ballots); `ballot_asm` has the layout it relies on."""
+    s = sel.to(tl.int32)
+    if BLOCK == 128:
+        pos, nb = tl.inline_asm_elementwise(
+            _BALLOT_ASM_128, _BALLOT_CONS_128, [s, base], dtype=(tl.int32, tl.int32),
+            is_pure=False, pack=4,
+        )  # fmt: skip
+    elif BLOCK == 256:
+        pos, nb = tl.inline_asm_elementwise(
+            _BALLOT_ASM_256, _BALLOT_CONS_256, [s, base], dtype=(tl.int32, tl.int32),
+            is_pure=False, pack=8,
+        )  # fmt: skip
+    elif BLOCK == 512:
+        pos, nb = tl.inline_asm_elementwise(
+            _BALLOT_ASM_512, _BALLOT_CONS_512, [s, base], dtype=(tl.int32, tl.int32),
+            is_pure=False, pack=16,
+        )  # fmt: skip
+    else:
+        tl.static_assert(BLOCK == 1024, "ballot compaction: BLOCK must be 128, 256, 512 or 1024")
+        pos, nb = tl.inline_asm_elementwise(
+            _BALLOT_ASM_1024, _BALLOT_CONS_1024, [s, base], dtype=(tl.int32, tl.int32),
+            is_pure=False, pack=32,
+        )  # fmt: skip
+    return pos, nb
 
 
 @dataclass(frozen=True)
@@ -109,6 +222,10 @@ class TopkConfig:
     # at `warp_max_registers`
     split: bool = False
     compact_max_registers: int = 96
+    # warp kernel, compaction pass: the candidates' positions from a prefix sum over the block
+    # ("scan") or from warp ballots ("ballot": inline PTX, GPU only, blocks of 128-1024; rows
+    # that are not 16-aligned and the CPU interpreter run the scan: the same positions)
+    compact: Literal["scan", "ballot"] = "scan"
 
     def __post_init__(self) -> None:
         for name, least in (
@@ -141,13 +258,34 @@ class TopkConfig:
             )
         if self.compare not in ("ukey", "float"):
             raise ValueError(f"TopkConfig.compare={self.compare!r}: must be 'ukey' or 'float'")
-        warp_only = self.compare != "ukey" or self.prefetch or self.interior or self.split
+        if self.compact not in _COMPACTS:
+            raise ValueError(
+                f"TopkConfig.compact={self.compact!r}: must be one of {list(_COMPACTS)}"
+            )
+        if self.compact == "ballot" and self.block not in BALLOT_BLOCKS:
+            raise ValueError(
+                f"TopkConfig.block={self.block} with compact='ballot': the ballot compaction "
+                f"takes blocks of {list(BALLOT_BLOCKS)}"
+            )
+        if self.compact == "ballot" and self.rows_per_program != 1:
+            raise ValueError(
+                f"TopkConfig.rows_per_program={self.rows_per_program} with compact='ballot': "
+                "the ballot compaction runs one row a one-warp program"
+            )
+        warp_only = (
+            self.compare != "ukey"
+            or self.prefetch
+            or self.interior
+            or self.split
+            or self.compact != "scan"
+        )
         if self.kernel != "warp" and warp_only:
             raise ValueError(
                 f"TopkConfig.compare={self.compare!r}, prefetch={self.prefetch}, "
-                f"interior={self.interior}, split={self.split} with kernel={self.kernel!r}: "
-                "the float compare, the prefetch, the interior path and the split are one-warp "
-                "kernel options; use kernel='warp'"
+                f"interior={self.interior}, split={self.split}, compact={self.compact!r} with "
+                f"kernel={self.kernel!r}: the float compare, the prefetch, the interior path, "
+                "the split and the ballot compaction are one-warp kernel options; use "
+                "kernel='warp'"
             )
         if not 24 <= self.compact_max_registers <= 255:
             raise ValueError(
@@ -181,6 +319,8 @@ class TopkConfig:
                 head += " interior"
             if self.split:
                 head += f" split/{self.compact_max_registers}r"
+            if self.compact == "ballot":
+                head += " ballot"
         else:
             head = f"{self.select} rows={self.rows_per_program} warps={self.num_warps} block={self.block}"
         order = f"bitonic/{self.order_warps}w" if self.order == "bitonic" else "torch sort"
@@ -348,6 +488,7 @@ def _compact_pass(
     RAW: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     INTERIOR: tl.constexpr = False,
+    BALLOT: tl.constexpr = False,
 ):
     """Rows in `todo`: write every u >= thr with its index to cand, in index order; count them.
 
@@ -356,9 +497,14 @@ def _compact_pass(
     int32 index at [CAP, 2 CAP) of cand rows 2 CAP long. PREFETCH: block i+1's loads are
     issued before block i is tested (carried in registers). INTERIOR: a block inside every
     row's [ks, ke) (most of a long row) is loaded and tested without range masks (a uniform
-    branch). See `_load_block` for ALIGNED.
+    branch). See `_load_block` for ALIGNED. BALLOT (one row of one warp, GPU only): the
+    positions come from warp ballots (`_ballot_positions`) instead of a prefix sum over the
+    block, and the running count stays a per-element vector: the same positions, ~8
+    instructions an element instead of a shared-memory scan behind barriers.
     """
     count = ks * 0
+    if BALLOT:
+        base = tl.zeros([1, BLOCK], tl.int32)
     lo = tl.min(tl.where(todo, ks, 2147483647), axis=0)
     hi = tl.max(tl.where(todo, ke, 0), axis=0)
     # blocks [s0, s0 + BLOCK) with in_lo <= s0 and s0 + BLOCK <= in_hi are inside every row
@@ -386,9 +532,19 @@ def _compact_pass(
             u = _ukey(x)
             above = u >= thr[:, None]
         sel = _in_range(above, s0, ks, ke, todo, in_lo, in_hi, BLOCK, INTERIOR)
-        pos = count[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-        keep = sel & (pos < CAP)
-        if PAIRS:
+        if BALLOT:
+            pos, base = _ballot_positions(sel, base, BLOCK)
+            keep = pos < CAP
+        else:
+            pos = count[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+            keep = sel & (pos < CAP)
+        if BALLOT:
+            if RAW:
+                _store_i32_asm(cand[:, None] + pos, x.to(tl.int32, bitcast=True), keep)
+            else:
+                _store_i32_asm(cand[:, None] + pos, u.to(tl.int32, bitcast=True), keep)
+            _store_i32_asm(cand[:, None] + CAP + pos, offs, keep)
+        elif PAIRS:
             if RAW:
                 tl.store(cand[:, None] + pos, x.to(tl.int32, bitcast=True), mask=keep)
             else:
@@ -397,7 +553,10 @@ def _compact_pass(
         else:
             packed = (u.to(tl.int64) << 32) | offs.to(tl.int64)
             tl.store(cand[:, None] + pos, packed, mask=keep)
-        count += tl.sum(sel.to(tl.int32), axis=1)
+        if not BALLOT:
+            count += tl.sum(sel.to(tl.int32), axis=1)
+    if BALLOT:
+        count = tl.max(base, axis=1)
     return count
 
 
@@ -439,6 +598,7 @@ def _threshold_and_compact(
     PREFETCH: tl.constexpr = False,
     INTERIOR: tl.constexpr = False,
     RELOAD: tl.constexpr = False,
+    BALLOT: tl.constexpr = False,
 ):
     """Steps 1-2 for the rows `live`: (count of candidates written, ok = count in [need, CAP]).
 
@@ -469,7 +629,7 @@ def _threshold_and_compact(
                 thr = tl.where(n <= CAP, 0, _kth_largest(samp, sok, rank + 1, ROWS, SAMPLE, RADIX))
             got = _compact_pass(
                 row_base, cand, ks, ke, thr, todo, CAP, BLOCK, PAIRS, ALIGNED, RAW, PREFETCH,
-                INTERIOR,
+                INTERIOR, BALLOT,
             )  # fmt: skip
             count = tl.where(todo, got, count)
             hit = todo & (got >= need) & (got <= CAP)
@@ -515,6 +675,7 @@ def _select_kernel(
     INTERIOR: tl.constexpr = False,
     STAGE: tl.constexpr = 0,
     count_ptr=None,
+    BALLOT: tl.constexpr = False,
 ):
     """Steps 1-3 for ROWS rows a program.
 
@@ -549,7 +710,7 @@ def _select_kernel(
         row_base = logits_ptr + r.to(tl.int64) * stride_l - col0 * (16 if ALIGNED else 1)
         count, ok = _threshold_and_compact(
             row_base, cand, ks, n, live, topk, target, ROWS, CAP, SAMPLE, BLOCK, MAX_PASSES,
-            RADIX, WARP, ALIGNED, RAW, PREFETCH, INTERIOR, STAGE == 1,
+            RADIX, WARP, ALIGNED, RAW, PREFETCH, INTERIOR, STAGE == 1, BALLOT,
         )  # fmt: skip
         tl.store(status_ptr + r, 1 - ok.to(tl.int32), mask=live)
         if STAGE == 1:
@@ -686,6 +847,17 @@ class TopkWorkspace:
         return 8 * cap + 8 * k2 + 12 * k2 + 8
 
 
+def _use_ballot(config: TopkConfig, aligned: bool) -> bool:
+    """Whether the compaction takes its positions from warp ballots.
+
+    `compact="ballot"` on the GPU, for 16-aligned rows (the indexer's chunks always are): the
+    asm relies on the 4-score runs a lane that 16-byte vector loads give (`ballot_asm`).
+    Unaligned rows and Triton's CPU interpreter (no inline PTX) run the prefix sum, which
+    gives the same positions."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return config.compact == "ballot" and aligned and not interpreting
+
+
 def launch_select(
     logits: torch.Tensor,
     col0: int,
@@ -716,7 +888,7 @@ def launch_select(
             ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
             MAX_PASSES=config.max_passes, RADIX=0, WARP=True, CHUNK=min(cap, config.chunk),
             ALIGNED=aligned, RAW=config.compare == "float", PREFETCH=config.prefetch,
-            INTERIOR=config.interior, num_warps=1,
+            INTERIOR=config.interior, BALLOT=_use_ballot(config, aligned), num_warps=1,
         )  # fmt: skip
         if not config.split:
             _select_kernel[grid](*args, **meta, maxnreg=config.warp_max_registers)

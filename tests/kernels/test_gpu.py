@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import (
     FIXED_CONFIG,
@@ -20,7 +22,7 @@ from kernels import (
     reference_topk,
     topk_rows_torch,
 )
-from kernels.topk import ONE_LAUNCH_TOPK_CONFIG, TopkWorkspace
+from kernels.topk import BALLOT_BLOCKS, ONE_LAUNCH_TOPK_CONFIG, TopkWorkspace, _ballot_positions
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 pytestmark = pytest.mark.gpu
@@ -162,7 +164,13 @@ TOPK_VARIANTS = {
     "one launch": ONE_LAUNCH_TOPK_CONFIG,  # the fixed top-k before the split
     "split 128": TopkConfig(**_WARP, split=True, compact_max_registers=128),
     "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
-}
+    "ballot": TopkConfig(**_WARP, split=True, compact="ballot"),
+    "ballot float 256": TopkConfig(**{**_WARP, "block": 256}, split=True, compact="ballot",
+                                   compare="float"),
+    "ballot float 128 prefetch": TopkConfig(**{**_WARP, "block": 128}, split=True,
+                                            compact="ballot", compare="float", prefetch=True),
+    "ballot one launch 1024": TopkConfig(**{**_WARP, "block": 1024}, compact="ballot"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(TOPK_VARIANTS))
@@ -189,3 +197,28 @@ def test_pipelined_and_unmasked_logits_equal_the_serial_kernel() -> None:
     for cfg in (LogitsConfig(), LogitsConfig(schedule="pipelined")):
         got = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=cfg))
         assert torch.equal(got.view(torch.int32), base.view(torch.int32)), cfg.label
+
+
+@triton.jit
+def _ballot_probe_kernel(x_ptr, pos_ptr, base_ptr, BLOCK: tl.constexpr):
+    """One warp: positions of x > 0 over one block of fp32 loaded as the select loads them."""
+    offs = tl.arange(0, BLOCK)[None, :]
+    x = tl.load(x_ptr + offs)
+    pos, base = _ballot_positions(x > 0, tl.zeros([1, BLOCK], tl.int32) + 1000, BLOCK)
+    tl.store(pos_ptr + offs, pos)
+    tl.store(base_ptr + offs, base)
+
+
+@pytest.mark.parametrize("block", BALLOT_BLOCKS)
+def test_ballot_positions_equal_the_prefix_sum(block: int) -> None:
+    # pins the register layout `kernels.topk.ballot_asm` assumes for 16-byte vector loads
+    g = torch.Generator(device="cuda").manual_seed(block)
+    for density in (0.0, 0.05, 0.5, 1.0):
+        x = torch.where(torch.rand(block, device="cuda", generator=g) < density, 1.0, -1.0)
+        pos = torch.empty(block, dtype=torch.int32, device="cuda")
+        base = torch.empty(block, dtype=torch.int32, device="cuda")
+        _ballot_probe_kernel[(1,)](x, pos, base, BLOCK=block, num_warps=1)
+        sel = x > 0
+        want = torch.where(sel, 999 + torch.cumsum(sel.int(), 0), 2**31 - 1).int()
+        assert torch.equal(pos, want), density
+        assert bool((base == 1000 + int(sel.sum())).all())

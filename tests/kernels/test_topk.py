@@ -149,9 +149,12 @@ def test_padded_keys_are_never_selected(cfg: IndexerConfig, device: str) -> None
         {"kernel": "warp"},
         {"kernel": "warp", "compare": "float", "prefetch": True, "interior": True},
         {"kernel": "warp", "split": True},
+        # on the GPU: warp ballots (the interpreter runs the scan: same positions)
+        {"kernel": "warp", "split": True, "compact": "ballot", "compare": "float", "block": 128,
+         "rows_per_program": 1},
     ],
-    ids=["cta", "warp", "warp-fast", "warp-split"],
-)
+    ids=["cta", "warp", "warp-fast", "warp-split", "warp-ballot"],
+)  # fmt: skip
 def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
     # A one-pass budget and a single 16-score sample run force misses (flagged rows -> torch path); a wide
     # sample with three passes must give the same answer.
@@ -159,11 +162,14 @@ def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
     q, k, w = random_inputs(200, 4, 32, seed=11, device=device)
     ks, ke = ks.to(device), ke.to(device)
     p = prepare_inputs(q, k, w, ks, ke)
-    rough = IndexerConfig(
-        topk=TopkConfig(
-            sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256, **kernel
-        )
-    )
+    rough_topk = {
+        "sample": 16,
+        "block": 32,
+        "min_cap": 16,
+        "max_passes": 1,
+        "rows_per_program": 256,
+    }
+    rough = IndexerConfig(topk=TopkConfig(**{**rough_topk, **kernel}))
     stats: dict = {}
     a = indexer_topk_prepared(p, 8, rough, stats=stats)
     b = indexer_topk_prepared(p, 8, SMALL)
@@ -182,9 +188,14 @@ def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
         {"compare": "float", "prefetch": True, "interior": True},
         {"split": True},
         {"split": True, "compare": "float", "prefetch": True},
+        {"compact": "ballot", "block": 128},
+        {"split": True, "compact": "ballot", "compare": "float", "prefetch": True, "block": 128},
     ],
-    ids=["ukey", "float", "prefetch", "interior", "float-prefetch-interior", "split", "split-fast"],
-)
+    ids=[
+        "ukey", "float", "prefetch", "interior", "float-prefetch-interior", "split", "split-fast",
+        "ballot", "split-ballot-fast",
+    ],
+)  # fmt: skip
 def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> None:
     # The GPU geometry of the warp kernel (one row a program) and both load paths: the
     # indexer's 16-aligned chunk rows (vector loads of whole 16-score groups, scores outside
@@ -199,7 +210,7 @@ def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> N
     logits = torch.where(outside, torch.full_like(logits, float("inf")), logits).to(device)
     ref = reference_topk(logits[:, :37].cpu(), ks, ke, 12)
     one_row = IndexerConfig(
-        topk=dataclasses.replace(SMALL_WARP_TOPK, rows_per_program=1, block=16, **fast)
+        topk=dataclasses.replace(SMALL_WARP_TOPK, **{"rows_per_program": 1, "block": 16, **fast})
     )
     aligned = topk_from_logits(logits, ks.to(device), ke.to(device), 12, config=one_row)
     unaligned = topk_from_logits(

@@ -1,0 +1,123 @@
+"""The ballot compaction's PTX (`kernels.topk.ballot_asm`), checked on CPU by executing it.
+
+The GPU runs the PTX itself (tests/kernels/test_gpu.py pins it against the prefix sum on the
+H200, and the compiled select against the exact torch path). Here a small executor runs the
+generated text for a whole warp (32 lanes in lockstep, the only way vote.sync can run) over
+the layout the asm assumes, so a wrong builder fails without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from kernels.topk import BALLOT_BLOCKS, TopkConfig, ballot_asm, ballot_constraints
+
+_LANES = 32
+
+
+def _run_warp(asm: str, inputs: np.ndarray, n_out: int) -> np.ndarray:
+    """Execute the asm for 32 lanes; inputs [32, n_in] uint32 -> outputs [32, n_out] uint32."""
+    lines = [ln.strip() for ln in asm.split("\n")]
+    assert lines[0] == "{" and lines[-1] == "}"
+    regs: list[dict[str, int]] = [{} for _ in range(_LANES)]
+    outs = np.zeros((_LANES, n_out), dtype=np.uint64)
+
+    def val(lane: int, tok: str) -> int:
+        tok = tok.strip()
+        if tok.startswith("$"):
+            i = int(tok[1:])
+            assert i >= n_out, f"reads output operand {tok}"
+            return int(inputs[lane, i - n_out])
+        if tok.startswith("%"):
+            return regs[lane][tok]
+        return int(tok, 16) if tok.startswith("0x") else int(tok)
+
+    def put(lane: int, tok: str, v: int) -> None:
+        v &= 0xFFFFFFFF
+        if tok.startswith("$"):
+            i = int(tok[1:])
+            assert i < n_out, f"writes input operand {tok}"
+            outs[lane, i] = v
+        else:
+            regs[lane][tok] = v
+
+    for ln in lines[1:-1]:
+        if ln.startswith(".reg"):
+            continue
+        m = re.fullmatch(r"([\w.]+) (.*);", ln)
+        assert m, ln
+        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        if op == "vote.sync.ballot.b32":
+            assert args[2] == "0xffffffff"
+            mask = sum(1 << lane for lane in range(_LANES) if regs[lane][args[1]])
+            for lane in range(_LANES):
+                put(lane, args[0], mask)
+            continue
+        for lane in range(_LANES):
+            if op == "mov.u32" and args[1] == "%lanemask_lt":
+                put(lane, args[0], (1 << lane) - 1)
+            elif op in ("mov.b32", "mov.u32"):
+                put(lane, args[0], val(lane, args[1]))
+            elif op == "setp.ne.b32":
+                regs[lane][args[0]] = int(val(lane, args[1]) != val(lane, args[2]))
+            elif op == "popc.b32":
+                put(lane, args[0], bin(val(lane, args[1])).count("1"))
+            elif op == "and.b32":
+                put(lane, args[0], val(lane, args[1]) & val(lane, args[2]))
+            elif op == "add.u32":
+                put(lane, args[0], val(lane, args[1]) + val(lane, args[2]))
+            elif op == "selp.b32":
+                pick = regs[lane][args[3]]
+                put(lane, args[0], val(lane, args[1]) if pick else val(lane, args[2]))
+            else:
+                raise AssertionError(f"unknown instruction {ln!r}")
+    return outs.astype(np.uint32)
+
+
+@pytest.mark.parametrize("block", BALLOT_BLOCKS)
+def test_ballot_asm_gives_the_prefix_sum_positions(block: int) -> None:
+    per = block // _LANES
+    n_cons = ballot_constraints(per).split(",")
+    assert n_cons.count("=r") == 2 * per and n_cons.count("r") == 2 * per
+    asm = ballot_asm(per)
+    rng = np.random.default_rng(block)
+    cols = np.arange(block)
+    # lane L holds the 4-wide runs at columns r * 128 + 4 L + j, in (r, j) order
+    lane_cols = np.array(
+        [[r * 128 + 4 * lane + j for r in range(per // 4) for j in range(4)] for lane in range(32)]
+    )
+    assert sorted(lane_cols.ravel().tolist()) == cols.tolist()
+    for density in (0.0, 0.03, 0.5, 1.0):
+        sel = (rng.random(block) < density).astype(np.uint32)
+        sel[rng.integers(block)] = 1  # at least one, and sometimes the last column
+        base = 1000 + int(rng.integers(1000))
+        inputs = np.concatenate([sel[lane_cols], np.full((32, per), base, dtype=np.uint32)], axis=1)
+        out = _run_warp(asm, inputs, 2 * per)
+        want = np.where(sel == 1, base + np.cumsum(sel) - 1, 2**31 - 1).astype(np.uint32)
+        assert np.array_equal(out[:, :per], want[lane_cols]), density
+        assert np.all(out[:, per:] == base + int(sel.sum()))
+
+
+def test_ballot_asm_needs_whole_runs() -> None:
+    with pytest.raises(ValueError, match="multiple of vec"):
+        ballot_asm(6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kernel": "cta", "compact": "ballot", "block": 512}, "one-warp kernel options"),
+        ({"kernel": "warp", "compact": "ballot", "block": 64}, "ballot compaction takes"),
+        (
+            {"kernel": "warp", "compact": "ballot", "block": 512, "rows_per_program": 2},
+            "one row a one-warp",
+        ),
+        ({"kernel": "warp", "compact": "prefix"}, "must be one of"),
+    ],
+)
+def test_ballot_config_is_checked(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TopkConfig(**kwargs)
