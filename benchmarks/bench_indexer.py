@@ -53,7 +53,7 @@ from kernels.fp8_indexer import (
     prepare_inputs,
 )
 from kernels.logits import LogitsConfig, launch_logits
-from kernels.topk import ONE_LAUNCH_TOPK_CONFIG, TopkConfig, TopkWorkspace
+from kernels.topk import ONE_LAUNCH_TOPK_CONFIG, SCAN_TOPK_CONFIG, TopkConfig, TopkWorkspace
 
 PROCESS_START = time.monotonic()  # --final's budget counts from here (after the imports)
 D = 128
@@ -62,14 +62,15 @@ SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
 HEADS = [64, 32]
 DOC_FRACTIONS = [0.30, 0.05, 0.20, 0.10, 0.25, 0.10]  # the packed row: six documents
 # Top-k kernels compared at S=64K (each with the stable torch sort; chunks on one stream): the
-# committed one-warp select (two launches) first, the one-launch kernel it replaced, then run
-# 2's CTA-wide selects.
+# committed one-warp select (two launches, ballot positions) first, the same with the prefix-sum
+# scan it replaced (the morning's fixed top-k), with prefetched blocks, the one-launch kernel,
+# then run 2's CTA-wide select.
 TOPK_SWEEP = [
     FIXED_CONFIG.topk,
+    SCAN_TOPK_CONFIG,
+    dataclasses.replace(FIXED_CONFIG.topk, prefetch=True),
     ONE_LAUNCH_TOPK_CONFIG,
     TopkConfig(select="bitwise", rows_per_program=1, num_warps=8, block=2048),
-    TopkConfig(select="radix", rows_per_program=1, num_warps=8, block=2048),
-    TopkConfig(select="bitwise", rows_per_program=1, num_warps=16, block=4096),
 ]
 BENCH_TITLE = "fp8 indexer (issue 5): fixed config vs sweep, top-k, varied rows"
 

@@ -70,7 +70,7 @@ from kernels.fp8_indexer import (
     prepare_inputs,
 )
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
-from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
+from kernels.topk import FIXED_TOPK_CONFIG, SCAN_TOPK_CONFIG, TopkConfig
 
 TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 
@@ -82,27 +82,24 @@ LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
     LogitsConfig(128, 64, 4, 4),
     LogitsConfig(256, 64, 8, 3),
 )
-# The split one-warp select with the compaction's positions from warp ballots instead of a
-# prefix sum (kernels/topk.py, `compact="ballot"`), with the float threshold test and a few
-# block sizes; the morning's candidates (run 2's CTA select, the one-launch kernel, split 128,
-# float + prefetch) all lost to the fixed split. Same indices as the fixed config (checked per
-# call).
-_BALLOT = dataclasses.replace(FIXED_TOPK_CONFIG, compact="ballot", compare="float")
+# The split one-warp select, its compaction positions from warp ballots (the fixed top-k since
+# the afternoon runs of 2026-12-03) against the prefix-sum scan it replaced, and the ballot
+# options that won at long rows in the select probe (float threshold test, prefetch). Same
+# indices as the fixed config (checked per call).
+_BALLOT = dataclasses.replace(FIXED_TOPK_CONFIG, compare="float")
 TOPK_CANDIDATES: dict[str, TopkConfig] = {
-    "warp select split + torch sort (fixed)": FIXED_TOPK_CONFIG,
-    "ballot 512": dataclasses.replace(FIXED_TOPK_CONFIG, compact="ballot"),
-    "ballot float 256": dataclasses.replace(_BALLOT, block=256),
+    "warp select split ballot + torch sort (fixed)": FIXED_TOPK_CONFIG,
+    "warp select split scan (morning fixed)": SCAN_TOPK_CONFIG,
+    "ballot 512 prefetch": dataclasses.replace(FIXED_TOPK_CONFIG, prefetch=True),
     "ballot float 512 prefetch": dataclasses.replace(_BALLOT, prefetch=True),
-    "ballot float 128 prefetch": dataclasses.replace(_BALLOT, block=128, prefetch=True),
 }
-FIXED_TOPK_NAME = "warp select split + torch sort (fixed)"
+FIXED_TOPK_NAME = "warp select split ballot + torch sort (fixed)"
 # End to end: (logits, top-k, chunk overlap). The first is the fixed config; the overlap lost
-# in 3 of 4 H200 runs (2026-12-02 and -03); a faster, memory-bound select may change that.
+# in 3 of 4 H200 runs (2026-12-02 and -03) and tied with the ballot select (49.9 ms both).
 E2E_COMBOS: tuple[tuple[LogitsConfig, str, str], ...] = (
     (FIXED_LOGITS_CONFIG, FIXED_TOPK_NAME, FIXED_CONFIG.overlap),
     *((FIXED_LOGITS_CONFIG, name, "none") for name in list(TOPK_CANDIDATES)[1:]),
     (FIXED_LOGITS_CONFIG, FIXED_TOPK_NAME, "priority"),
-    (FIXED_LOGITS_CONFIG, "ballot float 256", "priority"),
     (LOGITS_CANDIDATES[1], FIXED_TOPK_NAME, FIXED_CONFIG.overlap),
     (LOGITS_CANDIDATES[2], FIXED_TOPK_NAME, FIXED_CONFIG.overlap),
 )

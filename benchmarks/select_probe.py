@@ -43,20 +43,29 @@ from benchmarks._results import (
 )
 from benchmarks.bench_indexer import event_ms
 from kernels.order import finish_topk
-from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig, TopkWorkspace, _select_kernel, launch_select
+from kernels.topk import (
+    FIXED_TOPK_CONFIG,
+    SCAN_TOPK_CONFIG,
+    TopkConfig,
+    TopkWorkspace,
+    _select_kernel,
+    launch_select,
+)
 
 TITLE = "fp8 indexer (issue 5): where the top-k select's time goes"
 ROWS = 16384
 LENGTHS = (8192, 16384, 32768, 65536)
 _FIXED = FIXED_TOPK_CONFIG
 # The ballot study (2026-12-03, afternoon): the split select's compaction with warp-ballot
-# positions instead of the block prefix sum; sm_90 SASS of the compaction loop (Triton 3.9,
-# compiled on CPU): scan 737 instructions a 512-score block, ballot 449, ballot + float test
-# 361, and 160 a 256-score block. The morning's variants are in benchmarks/RESULTS.md.
-_BALLOT = dataclasses.replace(_FIXED, compact="ballot", compare="float")
+# positions (now the fixed top-k) against the block prefix sum it replaced; sm_90 SASS of the
+# compaction loop (Triton 3.9, compiled on CPU): scan 737 instructions a 512-score block,
+# ballot 449, ballot + float test 361, and 160 a 256-score block. The first variant is the
+# reference of the "staging == fixed" column. The morning's variants are in RESULTS.md.
+_BALLOT = dataclasses.replace(_FIXED, compare="float")
 VARIANTS: dict[str, TopkConfig] = {
-    "fixed (split 96, scan)": _FIXED,
-    "ballot 512": dataclasses.replace(_FIXED, compact="ballot"),
+    "fixed (split 96, ballot 512)": _FIXED,
+    "scan (the morning's fixed)": SCAN_TOPK_CONFIG,
+    "ballot 512 prefetch": dataclasses.replace(_FIXED, prefetch=True),
     "ballot float 512": _BALLOT,
     "ballot float 512 prefetch": dataclasses.replace(_BALLOT, prefetch=True),
     "ballot float 256": dataclasses.replace(_BALLOT, block=256),

@@ -332,11 +332,15 @@ class TopkConfig:
 # the candidates run (benchmarks/RESULTS.md, "final candidates"; H100 SXM). Split in two
 # launches since the H200 runs of 2026-12-03: the compaction capped at 96 registers, the exact
 # select at 168; select 10.3 -> 9.1 ms at 64K/H=64 (8-11% at every row length in the select
-# probe), same indices.
+# probe), same indices. Compaction positions from warp ballots since the afternoon H200 runs
+# of 2026-12-03 (`compact="ballot"`): select 9.4 -> 6.9 ms at 64K/H=64 end to end, faster at
+# every row length of the select probe (slope 0.048 -> 0.028 ms per 1K scores a row), same
+# staging rows; the scan split it replaced is `SCAN_TOPK_CONFIG`.
 ONE_LAUNCH_TOPK_CONFIG = TopkConfig(kernel="warp", block=512, chunk=512)
-FIXED_TOPK_CONFIG = TopkConfig(
+SCAN_TOPK_CONFIG = TopkConfig(
     kernel="warp", block=512, chunk=512, split=True, compact_max_registers=96
 )
+FIXED_TOPK_CONFIG = dataclasses.replace(SCAN_TOPK_CONFIG, compact="ballot")
 
 
 @triton.jit

@@ -22,7 +22,13 @@ from kernels import (
     reference_topk,
     topk_rows_torch,
 )
-from kernels.topk import BALLOT_BLOCKS, ONE_LAUNCH_TOPK_CONFIG, TopkWorkspace, _ballot_positions
+from kernels.topk import (
+    BALLOT_BLOCKS,
+    ONE_LAUNCH_TOPK_CONFIG,
+    SCAN_TOPK_CONFIG,
+    TopkWorkspace,
+    _ballot_positions,
+)
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 pytestmark = pytest.mark.gpu
@@ -164,7 +170,7 @@ TOPK_VARIANTS = {
     "one launch": ONE_LAUNCH_TOPK_CONFIG,  # the fixed top-k before the split
     "split 128": TopkConfig(**_WARP, split=True, compact_max_registers=128),
     "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
-    "ballot": TopkConfig(**_WARP, split=True, compact="ballot"),
+    "scan split": SCAN_TOPK_CONFIG,  # the fixed top-k before the ballot compaction
     "ballot float 256": TopkConfig(**{**_WARP, "block": 256}, split=True, compact="ballot",
                                    compare="float"),
     "ballot float 128 prefetch": TopkConfig(**{**_WARP, "block": 128}, split=True,
