@@ -9,6 +9,7 @@ import pytest
 
 import benchmarks._results as results_module
 from benchmarks.indexer_final import (
+    FIXED_TOPK_NAME,
     LOGITS_CANDIDATES,
     TITLE,
     TOPK_CANDIDATES,
@@ -18,7 +19,7 @@ from benchmarks.indexer_final import (
     summarize,
     verdicts,
 )
-from kernels import FIXED_LOGITS_CONFIG
+from kernels import FIXED_LOGITS_CONFIG, FIXED_TOPK_CONFIG
 
 FIXED = FIXED_LOGITS_CONFIG.label
 PIPE = "n128/k64/w4/s3/pipe"
@@ -94,7 +95,8 @@ def test_e2e_combos_cover_every_candidate_once() -> None:
     assert len(set(combos)) == len(combos)
     assert {lc for lc, _, _ in combos} == set(LOGITS_CANDIDATES)
     assert {tn for _, tn, _ in combos} == set(TOPK_CANDIDATES)
-    assert combos[0] == (FIXED_LOGITS_CONFIG, "warp select split + torch sort (fixed)", "none")
+    assert combos[0] == (FIXED_LOGITS_CONFIG, FIXED_TOPK_NAME, "none")
+    assert TOPK_CANDIDATES[FIXED_TOPK_NAME] == FIXED_TOPK_CONFIG
     assert {ov for _, _, ov in combos} == {"none", "priority"}
     # every top-k candidate runs with the fixed logits config on one stream
     assert {tn for lc, tn, ov in combos if lc == FIXED_LOGITS_CONFIG and ov == "none"} == set(
