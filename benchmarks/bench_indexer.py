@@ -63,12 +63,12 @@ HEADS = [64, 32]
 DOC_FRACTIONS = [0.30, 0.05, 0.20, 0.10, 0.25, 0.10]  # the packed row: six documents
 # Top-k kernels compared at S=64K (each with the stable torch sort; chunks on one stream): the
 # committed one-warp select (two launches, ballot positions) first, the same with the prefix-sum
-# scan it replaced (the morning's fixed top-k), with prefetched blocks, the one-launch kernel,
+# scan it replaced (the morning's fixed top-k), without prefetched blocks, the one-launch kernel,
 # then run 2's CTA-wide select.
 TOPK_SWEEP = [
     FIXED_CONFIG.topk,
     SCAN_TOPK_CONFIG,
-    dataclasses.replace(FIXED_CONFIG.topk, prefetch=True),
+    dataclasses.replace(FIXED_CONFIG.topk, prefetch=False),
     ONE_LAUNCH_TOPK_CONFIG,
     TopkConfig(select="bitwise", rows_per_program=1, num_warps=8, block=2048),
 ]

@@ -86,12 +86,12 @@ LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
 # the afternoon runs of 2026-12-03) against the prefix-sum scan it replaced, and the ballot
 # options that won at long rows in the select probe (float threshold test, prefetch). Same
 # indices as the fixed config (checked per call).
-_BALLOT = dataclasses.replace(FIXED_TOPK_CONFIG, compare="float")
+_BALLOT = dataclasses.replace(FIXED_TOPK_CONFIG, compare="float")  # prefetch, like the fixed
 TOPK_CANDIDATES: dict[str, TopkConfig] = {
     "warp select split ballot + torch sort (fixed)": FIXED_TOPK_CONFIG,
     "warp select split scan (morning fixed)": SCAN_TOPK_CONFIG,
-    "ballot 512 prefetch": dataclasses.replace(FIXED_TOPK_CONFIG, prefetch=True),
-    "ballot float 512 prefetch": dataclasses.replace(_BALLOT, prefetch=True),
+    "ballot 512, no prefetch": dataclasses.replace(FIXED_TOPK_CONFIG, prefetch=False),
+    "ballot float 512 prefetch": _BALLOT,
 }
 FIXED_TOPK_NAME = "warp select split ballot + torch sort (fixed)"
 # End to end: (logits, top-k, chunk overlap). The first is the fixed config; the overlap lost

@@ -61,11 +61,11 @@ _FIXED = FIXED_TOPK_CONFIG
 # compaction loop (Triton 3.9, compiled on CPU): scan 737 instructions a 512-score block,
 # ballot 449, ballot + float test 361, and 160 a 256-score block. The first variant is the
 # reference of the "staging == fixed" column. The morning's variants are in RESULTS.md.
-_BALLOT = dataclasses.replace(_FIXED, compare="float")
+_BALLOT = dataclasses.replace(_FIXED, compare="float", prefetch=False)
 VARIANTS: dict[str, TopkConfig] = {
-    "fixed (split 96, ballot 512)": _FIXED,
+    "fixed (split 96, ballot 512 prefetch)": _FIXED,
     "scan (the morning's fixed)": SCAN_TOPK_CONFIG,
-    "ballot 512 prefetch": dataclasses.replace(_FIXED, prefetch=True),
+    "ballot 512, no prefetch": dataclasses.replace(_FIXED, prefetch=False),
     "ballot float 512": _BALLOT,
     "ballot float 512 prefetch": dataclasses.replace(_BALLOT, prefetch=True),
     "ballot float 256": dataclasses.replace(_BALLOT, block=256),

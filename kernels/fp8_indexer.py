@@ -122,6 +122,22 @@ def _check_inputs(
         raise ValueError(f"q, k, w, ks, ke must share one device, got {sorted(map(str, devs))}")
 
 
+def _extreme(scale: torch.Tensor) -> torch.Tensor:
+    """float32 scalar: the largest scale (NaN or inf if any is), 0 for none."""
+    if scale.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=scale.device)
+    return scale.amax().float()
+
+
+def _extremes(x: torch.Tensor) -> list[torch.Tensor]:
+    """float32 scalars min and max of x (NaN if any element is), 0 and 0 for none."""
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        return [zero, zero]
+    lo, hi = torch.aminmax(x)
+    return [lo.float(), hi.float()]
+
+
 def prepare_inputs(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor
 ) -> PreparedInputs:
@@ -131,23 +147,27 @@ def prepare_inputs(
     s_k = k.shape[0]
     q8, q_scale = quantize_fp8(q)
     k8, k_scale = quantize_fp8(k)
-    # one device -> host transfer: the ranges and every check
-    flags = torch.stack(
-        [
-            ~torch.isfinite(q_scale).all(),
-            ~torch.isfinite(k_scale).all(),
-            ~torch.isfinite(w).all(),
-            (ks < 0).any() | (ke > s_k).any(),
-        ]
-    ).to(torch.int64)
-    host = torch.cat([ks.long(), ke.long(), flags]).cpu().numpy()
-    ks_host, ke_host, bad = host[:s_q], host[s_q : 2 * s_q], host[2 * s_q :]
-    if bad[3]:
-        t = int(np.flatnonzero((ks_host < 0) | (ke_host > s_k))[0])
+    # one device -> host transfer: the ranges and every check. The quantizers set a vector's
+    # scale to NaN or inf when it holds NaN or inf, and amax / aminmax propagate both, so four
+    # floats (bit-cast to int32 beside ks and ke) say whether q, k and w are finite: a handful
+    # of kernels instead of a chain of elementwise ops and reductions a tensor (each a launch)
+    extremes = [_extreme(q_scale), _extreme(k_scale), *_extremes(w)]
+    flags = torch.stack(extremes).view(torch.int32)
+    host = torch.cat([ks, ke, flags]).cpu().numpy()
+    ks_host = host[:s_q].astype(np.int64)
+    ke_host = host[s_q : 2 * s_q].astype(np.int64)
+    finite = np.isfinite(host[2 * s_q :].view(np.float32))
+    bad_range = (ks_host < 0) | (ke_host > s_k)
+    if bad_range.any():
+        t = int(np.flatnonzero(bad_range)[0])
         raise ValueError(
             f"query {t}: [ks, ke) = [{ks_host[t]}, {ke_host[t]}) leaves the keys [0, {s_k})"
         )
-    names = [name for name, b in zip("qkw", bad[:3], strict=True) if b]
+    names = [
+        name
+        for name, ok in zip("qkw", [finite[0], finite[1], finite[2:].all()], strict=True)
+        if not ok
+    ]
     if names:
         raise ValueError(
             f"non-finite values (NaN or inf) in {', '.join(names)}: the indexer refuses them"
@@ -199,15 +219,21 @@ def plan_chunks(
     ks, ke = np.asarray(ks, dtype=np.int64), np.asarray(ke, dtype=np.int64)
     per_row = 4 * s_kp + extra_per_row
     rows = max(align, (max_chunk_bytes // per_row) // align * align)
+    starts = np.arange(0, len(ks), rows)
+    if not len(starts):
+        return []
+    live = ke > ks  # empty rows do not widen a chunk's key window
+    none = np.iinfo(np.int64).max
+    lo = np.minimum.reduceat(np.where(live, ks, none), starts)
+    hi = np.maximum.reduceat(np.where(live, ke, -1), starts)
     chunks = []
-    for r0 in range(0, len(ks), rows):
+    for r0, a, b in zip(starts.tolist(), lo.tolist(), hi.tolist(), strict=True):
         r1 = min(len(ks), r0 + rows)
-        live = ke[r0:r1] > ks[r0:r1]
-        if live.any():
-            col0 = int(ks[r0:r1][live].min()) // COL_ALIGN * COL_ALIGN
-            width = -(-(int(ke[r0:r1][live].max()) - col0) // COL_ALIGN) * COL_ALIGN
-        else:
+        if a == none:  # no live row
             col0, width = 0, COL_ALIGN
+        else:
+            col0 = a // COL_ALIGN * COL_ALIGN
+            width = -(-(b - col0) // COL_ALIGN) * COL_ALIGN
         chunks.append((r0, r1, col0, width))
     return chunks
 
@@ -243,7 +269,8 @@ def indexer_topk_prepared(
     extra = TopkWorkspace.bytes_per_row(topk, config.topk)
     s_kp = p.k8.shape[0]
     chunks = plan_chunks(p.ks_host, p.ke_host, s_kp, extra, config.max_chunk_bytes // streams.n_buf)
-    chunks.sort(key=lambda c: -_chunk_work(p.ks_host, p.ke_host, c))  # stable: ties keep order
+    work = _work_prefix(p.ks_host, p.ke_host)
+    chunks.sort(key=lambda c: -int(work[c[1]] - work[c[0]]))  # stable: ties keep order
     max_rows = max((r1 - r0 for r0, r1, _, _ in chunks), default=0)
     max_width = max((w for _, _, _, w in chunks), default=COL_ALIGN)
     bufs = [
@@ -293,10 +320,10 @@ def indexer_topk_prepared(
     return out
 
 
-def _chunk_work(ks: np.ndarray, ke: np.ndarray, chunk: tuple[int, int, int, int]) -> int:
-    """In-range (query, key) pairs of a chunk: what its logits and its select cost."""
-    r0, r1 = chunk[0], chunk[1]
-    return int(np.maximum(ke[r0:r1] - ks[r0:r1], 0).sum())
+def _work_prefix(ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
+    """Prefix sums of in-range (query, key) pairs: rows [r0, r1) hold work[r1] - work[r0],
+    what their logits and their select cost."""
+    return np.concatenate([[0], np.cumsum(np.maximum(ke - ks, 0))])
 
 
 @dataclass

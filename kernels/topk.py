@@ -333,14 +333,16 @@ class TopkConfig:
 # launches since the H200 runs of 2026-12-03: the compaction capped at 96 registers, the exact
 # select at 168; select 10.3 -> 9.1 ms at 64K/H=64 (8-11% at every row length in the select
 # probe), same indices. Compaction positions from warp ballots since the afternoon H200 runs
-# of 2026-12-03 (`compact="ballot"`): select 9.4 -> 6.9 ms at 64K/H=64 end to end, faster at
-# every row length of the select probe (slope 0.048 -> 0.028 ms per 1K scores a row), same
-# staging rows; the scan split it replaced is `SCAN_TOPK_CONFIG`.
+# of 2026-12-03 (`compact="ballot"`, with the next block's loads issued before the current
+# block is tested): select 9.2 -> 6.5 ms at 64K/H=64 (top-k sweep), faster at every row length
+# of the select probe (1.13-2.33 against 1.19-3.87 ms for 16K rows of 8K-64K scores; slope
+# 0.048 -> 0.022 ms per 1K scores a row), same staging rows; the scan split it replaced is
+# `SCAN_TOPK_CONFIG`.
 ONE_LAUNCH_TOPK_CONFIG = TopkConfig(kernel="warp", block=512, chunk=512)
 SCAN_TOPK_CONFIG = TopkConfig(
     kernel="warp", block=512, chunk=512, split=True, compact_max_registers=96
 )
-FIXED_TOPK_CONFIG = dataclasses.replace(SCAN_TOPK_CONFIG, compact="ballot")
+FIXED_TOPK_CONFIG = dataclasses.replace(SCAN_TOPK_CONFIG, compact="ballot", prefetch=True)
 
 
 @triton.jit
@@ -722,7 +724,7 @@ def _select_kernel(
     if STAGE != 1:
         _finish_rows(
             cand, count, ok, live, r, topk, skey_ptr, sidx_ptr, sentinel, K2, ROWS, CAP,
-            RADIX, WARP, CHUNK, RAW,
+            RADIX, WARP, CHUNK, RAW, BALLOT,
         )  # fmt: skip
 
 
@@ -730,13 +732,15 @@ def _select_kernel(
 def _finish_rows(
     cand, count, ok, live, r, topk, skey_ptr, sidx_ptr, sentinel,
     K2: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, RADIX: tl.constexpr,
-    WARP: tl.constexpr, CHUNK: tl.constexpr, RAW: tl.constexpr,
+    WARP: tl.constexpr, CHUNK: tl.constexpr, RAW: tl.constexpr, BALLOT: tl.constexpr = False,
 ):  # fmt: skip
     """Step 3 and the padding of the staging rows."""
     tl.debug_barrier()  # candidates written by other threads of this program
     srow = r.to(tl.int64)[:, None] * K2
     if WARP:
-        take = _exact_select_pairs(cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP, CHUNK, RAW)
+        take = _exact_select_pairs(
+            cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP, CHUNK, RAW, BALLOT
+        )
     else:
         take = _exact_select_packed(
             cand, count, ok, topk, skey_ptr, sidx_ptr, srow, ROWS, CAP, RADIX
@@ -776,40 +780,61 @@ def _exact_select_packed(
 def _exact_select_pairs(
     cand, count, ok, topk, skey_ptr, sidx_ptr, srow,
     CAP: tl.constexpr, CHUNK: tl.constexpr, RAW: tl.constexpr = False,
+    BALLOT: tl.constexpr = False,
 ):  # fmt: skip
     """Step 3 on int32 pair candidates (the one-warp kernel): the select over all CAP keys in
     registers (zero-filled, no masked copy), then the staging write CHUNK candidates a step.
-    RAW: the candidates hold raw score bits, mapped to their keys here."""
+    RAW: the candidates hold raw score bits, mapped to their keys here. BALLOT (GPU, one row):
+    the candidate rows are read whole (16-byte vectors; slots past the count are zeroed after
+    the load, never used), and the tie ranks and staging positions come from warp ballots
+    (`_ballot_positions`) with inline-PTX stores: the same staging rows."""
     have = tl.where(ok, count, 0)
     ci = tl.arange(0, CAP)[None, :]
-    cu = _cand_keys(cand[:, None] + ci, ci < have[:, None], RAW)
+    cu = _cand_keys(cand[:, None] + ci, ci < have[:, None], RAW, BALLOT)
     take = tl.minimum(have, topk)
     tstar = _kth_largest_zeroed(cu, take)  # empty slots hold 0, below every real key
     room = take - tl.sum((cu > tstar[:, None]).to(tl.int32), axis=1)
     written = take * 0
     eq_seen = take * 0
+    if BALLOT:
+        written_v = tl.zeros([1, CHUNK], tl.int32)
+        eq_v = tl.zeros([1, CHUNK], tl.int32)
     for c0 in range(0, tl.max(have, axis=0), CHUNK):
         cj = c0 + tl.arange(0, CHUNK)[None, :]
         v = cj < have[:, None]
-        c_u = _cand_keys(cand[:, None] + cj, v, RAW)
-        c_i = tl.load(cand[:, None] + CAP + cj, mask=v, other=0)
+        c_u = _cand_keys(cand[:, None] + cj, v, RAW, BALLOT)
         gt = v & (c_u > tstar[:, None])
         eq = v & (c_u == tstar[:, None])
-        eq_rank = eq_seen[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
-        sel = gt | (eq & (eq_rank <= room[:, None]))
-        pos = written[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
         key32 = (c_u ^ 0x80000000).to(tl.int32, bitcast=True)
-        tl.store(skey_ptr + srow + pos, key32, mask=sel)
-        tl.store(sidx_ptr + srow + pos, c_i, mask=sel)
-        written += tl.sum(sel.to(tl.int32), axis=1)
-        eq_seen += tl.sum(eq.to(tl.int32), axis=1)
+        if BALLOT:
+            c_i = tl.load(cand[:, None] + CAP + cj)
+            eq_pos, eq_v = _ballot_positions(eq, eq_v, CHUNK)  # INT32_MAX where not eq
+            sel = gt | (eq_pos < room[:, None])
+            pos, written_v = _ballot_positions(sel, written_v, CHUNK)
+            _store_i32_asm(skey_ptr + srow + pos, key32, sel)
+            _store_i32_asm(sidx_ptr + srow + pos, c_i, sel)
+        else:
+            c_i = tl.load(cand[:, None] + CAP + cj, mask=v, other=0)
+            eq_rank = eq_seen[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+            sel = gt | (eq & (eq_rank <= room[:, None]))
+            pos = written[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+            tl.store(skey_ptr + srow + pos, key32, mask=sel)
+            tl.store(sidx_ptr + srow + pos, c_i, mask=sel)
+            written += tl.sum(sel.to(tl.int32), axis=1)
+            eq_seen += tl.sum(eq.to(tl.int32), axis=1)
     return take
 
 
 @triton.jit
-def _cand_keys(ptrs, valid, RAW: tl.constexpr):
-    """uint32 keys of the candidates at `ptrs` (0 where not valid: below every real key)."""
-    c = tl.load(ptrs, mask=valid, other=0)
+def _cand_keys(ptrs, valid, RAW: tl.constexpr, WHOLE: tl.constexpr = False):
+    """uint32 keys of the candidates at `ptrs` (0 where not valid: below every real key).
+
+    WHOLE: load every slot (all lie inside the candidate row) and zero the invalid ones
+    afterwards, so that the load compiles to 16-byte vectors."""
+    if WHOLE:
+        c = tl.where(valid, tl.load(ptrs), 0)
+    else:
+        c = tl.load(ptrs, mask=valid, other=0)
     if RAW:
         cu = tl.where(valid, _ukey(c.to(tl.float32, bitcast=True)), 0)
     else:

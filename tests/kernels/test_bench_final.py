@@ -121,7 +121,7 @@ def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> Non
         append_bench_results(tmp_path)
 
 
-@pytest.mark.parametrize("module", ["select_probe", "logits_clock_probe"])
+@pytest.mark.parametrize("module", ["select_probe", "logits_clock_probe", "indexer_timeline"])
 def test_probe_results_append_and_bad_files_are_refused(
     module: str, tmp_path: Path, monkeypatch
 ) -> None:
@@ -141,3 +141,20 @@ def test_probe_results_append_and_bad_files_are_refused(
     saved.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read a saved results file"):
         probe.main()
+
+
+def test_timeline_merges_overlaps_and_counts_idle_time() -> None:
+    from benchmarks.indexer_timeline import GAP_US, timeline
+
+    events = [
+        {"name": "quantize", "start": 100.0, "end": 150.0},
+        {"name": "logits", "start": 150.0, "end": 400.0},
+        {"name": "side", "start": 200.0, "end": 300.0},  # inside the logits: no gap
+        {"name": "select", "start": 430.0, "end": 500.0},  # 30 us idle
+        {"name": "sort", "start": 505.0, "end": 600.0},  # 5 us idle, below GAP_US
+    ]
+    t = timeline(events, wall_us=800.0)
+    assert t["gpu_span_us"] == 500.0 and t["outside_gpu_span_us"] == 300.0
+    assert t["gpu_idle_inside_us"] == 35.0
+    assert [g["before"] for g in t["gaps"]] == ["select"] and GAP_US > 5
+    assert [r["gap_us"] for r in t["kernels"]] == [0.0, 0.0, 0.0, 30.0, 5.0]

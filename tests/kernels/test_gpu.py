@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -171,6 +173,7 @@ TOPK_VARIANTS = {
     "split 128": TopkConfig(**_WARP, split=True, compact_max_registers=128),
     "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
     "scan split": SCAN_TOPK_CONFIG,  # the fixed top-k before the ballot compaction
+    "ballot, no prefetch": dataclasses.replace(FIXED_CONFIG.topk, prefetch=False),
     "ballot float 256": TopkConfig(**{**_WARP, "block": 256}, split=True, compact="ballot",
                                    compare="float"),
     "ballot float 128 prefetch": TopkConfig(**{**_WARP, "block": 128}, split=True,
