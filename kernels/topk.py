@@ -226,6 +226,9 @@ class TopkConfig:
     # ("scan") or from warp ballots ("ballot": inline PTX, GPU only, blocks of 128-1024; rows
     # that are not 16-aligned and the CPU interpreter run the scan: the same positions)
     compact: Literal["scan", "ballot"] = "scan"
+    # warp kernel, exact select: stop the 32-round search at the first trial with exactly
+    # min(topk, count) candidates at or above it (`_kth_largest_zeroed`'s EARLY; same winners)
+    early_exit: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (
@@ -278,14 +281,15 @@ class TopkConfig:
             or self.interior
             or self.split
             or self.compact != "scan"
+            or self.early_exit
         )
         if self.kernel != "warp" and warp_only:
             raise ValueError(
                 f"TopkConfig.compare={self.compare!r}, prefetch={self.prefetch}, "
-                f"interior={self.interior}, split={self.split}, compact={self.compact!r} with "
-                f"kernel={self.kernel!r}: the float compare, the prefetch, the interior path, "
-                "the split and the ballot compaction are one-warp kernel options; use "
-                "kernel='warp'"
+                f"interior={self.interior}, split={self.split}, compact={self.compact!r}, "
+                f"early_exit={self.early_exit} with kernel={self.kernel!r}: the float compare, "
+                "the prefetch, the interior path, the split, the ballot compaction and the early "
+                "exit are one-warp kernel options; use kernel='warp'"
             )
         if not 24 <= self.compact_max_registers <= 255:
             raise ValueError(
@@ -321,6 +325,8 @@ class TopkConfig:
                 head += f" split/{self.compact_max_registers}r"
             if self.compact == "ballot":
                 head += " ballot"
+            if self.early_exit:
+                head += " early"
         else:
             head = f"{self.select} rows={self.rows_per_program} warps={self.num_warps} block={self.block}"
         order = f"bitonic/{self.order_warps}w" if self.order == "bitonic" else "torch sort"
@@ -381,14 +387,33 @@ def _kth_largest_bitwise(u, valid, k):
 
 
 @triton.jit
-def _kth_largest_zeroed(u, k):
+def _kth_largest_zeroed(u, k, EARLY: tl.constexpr = False):
     """`_kth_largest_bitwise` for u [ROWS, M] whose invalid entries are already 0 (no masked
-    copy: half the registers for the one-warp kernel, which holds 128 keys a lane)."""
+    copy: half the registers for the one-warp kernel, which holds 128 keys a lane).
+
+    EARLY (the exact select's use): stop at the first trial t with exactly k entries >= t and
+    return t - 1 instead: then #(u > result) = k and no entry equals the result's successor
+    range, so "all u > T*, then ties by index" picks the same k entries as with the exact
+    k-th largest. Distinct random keys get there after ~20 of the 32 rounds (the rounds run
+    until the trial separates the k-th largest from the (k+1)-th); a tie at the boundary runs
+    all 32, as without EARLY."""
     ans = (k * 0).to(tl.uint32)
-    for b in range(32):
-        trial = ans | (tl.full(ans.shape, 2147483648, tl.uint32) >> b)
-        cnt = tl.sum((u >= trial[:, None]).to(tl.int32), axis=1)
-        ans = tl.where(cnt >= k, trial, ans)
+    if EARLY:
+        done = k < 0  # per row: found a trial with exactly k entries at or above it
+        b = 0
+        while (b < 32) & (tl.min(done.to(tl.int32), axis=0) == 0):
+            trial = ans | (tl.full(ans.shape, 2147483648, tl.uint32) >> b)
+            cnt = tl.sum((u >= trial[:, None]).to(tl.int32), axis=1)
+            up = (cnt >= k) & (done == 0)
+            hit = up & (cnt == k)
+            ans = tl.where(hit, trial - 1, tl.where(up, trial, ans))
+            done = done | hit
+            b += 1
+    else:
+        for b in range(32):
+            trial = ans | (tl.full(ans.shape, 2147483648, tl.uint32) >> b)
+            cnt = tl.sum((u >= trial[:, None]).to(tl.int32), axis=1)
+            ans = tl.where(cnt >= k, trial, ans)
     return ans
 
 
@@ -682,6 +707,7 @@ def _select_kernel(
     STAGE: tl.constexpr = 0,
     count_ptr=None,
     BALLOT: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """Steps 1-3 for ROWS rows a program.
 
@@ -724,7 +750,7 @@ def _select_kernel(
     if STAGE != 1:
         _finish_rows(
             cand, count, ok, live, r, topk, skey_ptr, sidx_ptr, sentinel, K2, ROWS, CAP,
-            RADIX, WARP, CHUNK, RAW, BALLOT,
+            RADIX, WARP, CHUNK, RAW, BALLOT, EARLY,
         )  # fmt: skip
 
 
@@ -733,13 +759,14 @@ def _finish_rows(
     cand, count, ok, live, r, topk, skey_ptr, sidx_ptr, sentinel,
     K2: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, RADIX: tl.constexpr,
     WARP: tl.constexpr, CHUNK: tl.constexpr, RAW: tl.constexpr, BALLOT: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """Step 3 and the padding of the staging rows."""
     tl.debug_barrier()  # candidates written by other threads of this program
     srow = r.to(tl.int64)[:, None] * K2
     if WARP:
         take = _exact_select_pairs(
-            cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP, CHUNK, RAW, BALLOT
+            cand, count, ok, topk, skey_ptr, sidx_ptr, srow, CAP, CHUNK, RAW, BALLOT, EARLY
         )
     else:
         take = _exact_select_packed(
@@ -780,7 +807,7 @@ def _exact_select_packed(
 def _exact_select_pairs(
     cand, count, ok, topk, skey_ptr, sidx_ptr, srow,
     CAP: tl.constexpr, CHUNK: tl.constexpr, RAW: tl.constexpr = False,
-    BALLOT: tl.constexpr = False,
+    BALLOT: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """Step 3 on int32 pair candidates (the one-warp kernel): the select over all CAP keys in
     registers (zero-filled, no masked copy), then the staging write CHUNK candidates a step.
@@ -792,7 +819,9 @@ def _exact_select_pairs(
     ci = tl.arange(0, CAP)[None, :]
     cu = _cand_keys(cand[:, None] + ci, ci < have[:, None], RAW, BALLOT)
     take = tl.minimum(have, topk)
-    tstar = _kth_largest_zeroed(cu, take)  # empty slots hold 0, below every real key
+    # empty slots hold 0, below every real key; EARLY may return a T* below the k-th largest
+    # with exactly `take` keys above it (room 0): the same winners
+    tstar = _kth_largest_zeroed(cu, take, EARLY)
     room = take - tl.sum((cu > tstar[:, None]).to(tl.int32), axis=1)
     written = take * 0
     eq_seen = take * 0
@@ -917,7 +946,8 @@ def launch_select(
             ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
             MAX_PASSES=config.max_passes, RADIX=0, WARP=True, CHUNK=min(cap, config.chunk),
             ALIGNED=aligned, RAW=config.compare == "float", PREFETCH=config.prefetch,
-            INTERIOR=config.interior, BALLOT=_use_ballot(config, aligned), num_warps=1,
+            INTERIOR=config.interior, BALLOT=_use_ballot(config, aligned),
+            EARLY=config.early_exit, num_warps=1,
         )  # fmt: skip
         if not config.split:
             _select_kernel[grid](*args, **meta, maxnreg=config.warp_max_registers)

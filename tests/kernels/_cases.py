@@ -32,6 +32,16 @@ SMALL_SPLIT = IndexerConfig(
 )
 
 
+# The fixed top-k's structure on CPU: two launches, prefetched blocks, the exact select's early
+# exit (its ballot compaction runs as the scan here: the interpreter has no inline PTX).
+SMALL_EARLY = IndexerConfig(
+    topk=TopkConfig(
+        sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", chunk=16,
+        split=True, prefetch=True, early_exit=True,
+    )
+)  # fmt: skip
+
+
 def packed_ranges(doc_lens: list[int], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """ks/ke for a row of documents back to back (causal inside each), then `pad` empty queries."""
     ks, ke = [], []

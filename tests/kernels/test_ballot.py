@@ -1,4 +1,5 @@
-"""The ballot compaction's PTX (`kernels.topk.ballot_asm`), checked on CPU by executing it.
+"""The ballot compaction's PTX (`kernels.topk.ballot_asm`), checked on CPU by executing it;
+the exact select's early exit against the full 32-round search.
 
 The GPU runs the PTX itself (tests/kernels/test_gpu.py pins it against the prefix sum on the
 H200, and the compiled select against the exact torch path). Here a small executor runs the
@@ -12,8 +13,17 @@ import re
 
 import numpy as np
 import pytest
+import torch
+import triton
+import triton.language as tl
 
-from kernels.topk import BALLOT_BLOCKS, TopkConfig, ballot_asm, ballot_constraints
+from kernels.topk import (
+    BALLOT_BLOCKS,
+    TopkConfig,
+    _kth_largest_zeroed,
+    ballot_asm,
+    ballot_constraints,
+)
 
 _LANES = 32
 
@@ -116,8 +126,48 @@ def test_ballot_asm_needs_whole_runs() -> None:
             "one row a one-warp",
         ),
         ({"kernel": "warp", "compact": "prefix"}, "must be one of"),
+        ({"kernel": "cta", "early_exit": True}, "one-warp kernel options"),
     ],
 )
 def test_ballot_config_is_checked(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TopkConfig(**kwargs)
+
+
+@triton.jit
+def _kth_probe_kernel(u_ptr, k_ptr, out_ptr, M: tl.constexpr, EARLY: tl.constexpr):
+    r = tl.arange(0, 4)
+    u = tl.load(u_ptr + r[:, None] * M + tl.arange(0, M)[None, :]).to(tl.uint32, bitcast=True)
+    tl.store(
+        out_ptr + r, _kth_largest_zeroed(u, tl.load(k_ptr + r), EARLY).to(tl.int32, bitcast=True)
+    )
+
+
+def _winners(u: np.ndarray, t: int, k: int) -> list[int]:
+    """All u > t, then the lowest-index u == t until k: the exact select's rule."""
+    gt = [i for i in range(len(u)) if u[i] > t]
+    eq = [i for i in range(len(u)) if u[i] == t]
+    return sorted(gt + eq[: k - len(gt)])
+
+
+def test_early_exit_selects_the_same_winners() -> None:
+    # rows: distinct keys, a tie straddling the k-th place, zero-filled slots, k = 0 / k = all
+    rng = np.random.default_rng(5)
+    m = 64
+    u = rng.integers(1, 2**32, size=(4, m), dtype=np.uint64)
+    u[1, :10] = u[1, 20]  # 11 equal keys
+    u[2, 40:] = 0  # empty slots
+    rows_k = [(0, 17), (1, int((u[1] > u[1, 20]).sum()) + 3), (2, 40), (3, 0)]
+    k = np.array([kk for _, kk in rows_k], dtype=np.int32)
+    got = {}
+    for early in (False, True):
+        out = torch.empty(4, dtype=torch.int32)
+        _kth_probe_kernel[(1,)](
+            torch.from_numpy(u.astype(np.uint32).view(np.int32)), torch.from_numpy(k), out,
+            M=m, EARLY=early,
+        )  # fmt: skip
+        got[early] = out.numpy().view(np.uint32).astype(np.uint64)
+    for row, kk in rows_k:
+        exact = _winners(u[row], int(got[False][row]), kk)
+        assert len(exact) == kk
+        assert _winners(u[row], int(got[True][row]), kk) == exact, row

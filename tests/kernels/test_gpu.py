@@ -174,6 +174,10 @@ TOPK_VARIANTS = {
     "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
     "scan split": SCAN_TOPK_CONFIG,  # the fixed top-k before the ballot compaction
     "ballot, no prefetch": dataclasses.replace(FIXED_CONFIG.topk, prefetch=False),
+    "ballot + early exit": dataclasses.replace(FIXED_CONFIG.topk, early_exit=True),
+    "ballot float + early exit": dataclasses.replace(
+        FIXED_CONFIG.topk, compare="float", early_exit=True
+    ),
     "ballot float 256": TopkConfig(**{**_WARP, "block": 256}, split=True, compact="ballot",
                                    compare="float"),
     "ballot float 128 prefetch": TopkConfig(**{**_WARP, "block": 128}, split=True,

@@ -23,6 +23,7 @@ from kernels import (
 from kernels.topk import _ufloat, _ukey
 from tests.kernels._cases import (
     SMALL,
+    SMALL_EARLY,
     SMALL_FAST,
     SMALL_SPLIT,
     SMALL_TOPK,
@@ -35,8 +36,8 @@ from tests.kernels._cases import (
 
 BOTH = pytest.mark.parametrize(
     "cfg",
-    [SMALL, SMALL_WARP, SMALL_FAST, SMALL_SPLIT],
-    ids=["cta+torch", "warp+bitonic", "warp-fast+torch", "warp-split+torch"],
+    [SMALL, SMALL_WARP, SMALL_FAST, SMALL_SPLIT, SMALL_EARLY],
+    ids=["cta+torch", "warp+bitonic", "warp-fast+torch", "warp-split+torch", "warp-early+torch"],
 )
 
 
