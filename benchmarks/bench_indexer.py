@@ -69,7 +69,7 @@ TOPK_SWEEP = [
     FIXED_CONFIG.topk,
     SCAN_TOPK_CONFIG,
     dataclasses.replace(FIXED_CONFIG.topk, prefetch=False),
-    dataclasses.replace(FIXED_CONFIG.topk, early_exit=True),
+    dataclasses.replace(FIXED_CONFIG.topk, early_exit=False),
     ONE_LAUNCH_TOPK_CONFIG,
     TopkConfig(select="bitwise", rows_per_program=1, num_warps=8, block=2048),
 ]

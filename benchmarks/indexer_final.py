@@ -92,7 +92,7 @@ TOPK_CANDIDATES: dict[str, TopkConfig] = {
     "warp select split scan (morning fixed)": SCAN_TOPK_CONFIG,
     "ballot 512, no prefetch": dataclasses.replace(FIXED_TOPK_CONFIG, prefetch=False),
     "ballot float 512 prefetch": _BALLOT,
-    "ballot 512 prefetch + early exit": dataclasses.replace(FIXED_TOPK_CONFIG, early_exit=True),
+    "ballot 512 prefetch, no early exit": dataclasses.replace(FIXED_TOPK_CONFIG, early_exit=False),
 }
 FIXED_TOPK_NAME = "warp select split ballot + torch sort (fixed)"
 # End to end: (logits, top-k, chunk overlap). The first is the fixed config; the overlap lost

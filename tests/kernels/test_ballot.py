@@ -150,7 +150,7 @@ def _winners(u: np.ndarray, t: int, k: int) -> list[int]:
     return sorted(gt + eq[: k - len(gt)])
 
 
-def test_early_exit_selects_the_same_winners() -> None:
+def test_early_exit_selects_the_same_winners(device: str) -> None:
     # rows: distinct keys, a tie straddling the k-th place, zero-filled slots, k = 0 / k = all
     rng = np.random.default_rng(5)
     m = 64
@@ -161,12 +161,12 @@ def test_early_exit_selects_the_same_winners() -> None:
     k = np.array([kk for _, kk in rows_k], dtype=np.int32)
     got = {}
     for early in (False, True):
-        out = torch.empty(4, dtype=torch.int32)
+        out = torch.empty(4, dtype=torch.int32, device=device)
         _kth_probe_kernel[(1,)](
-            torch.from_numpy(u.astype(np.uint32).view(np.int32)), torch.from_numpy(k), out,
-            M=m, EARLY=early,
+            torch.from_numpy(u.astype(np.uint32).view(np.int32)).to(device),
+            torch.from_numpy(k).to(device), out, M=m, EARLY=early,
         )  # fmt: skip
-        got[early] = out.numpy().view(np.uint32).astype(np.uint64)
+        got[early] = out.cpu().numpy().view(np.uint32).astype(np.uint64)
     for row, kk in rows_k:
         exact = _winners(u[row], int(got[False][row]), kk)
         assert len(exact) == kk

@@ -174,7 +174,7 @@ TOPK_VARIANTS = {
     "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
     "scan split": SCAN_TOPK_CONFIG,  # the fixed top-k before the ballot compaction
     "ballot, no prefetch": dataclasses.replace(FIXED_CONFIG.topk, prefetch=False),
-    "ballot + early exit": dataclasses.replace(FIXED_CONFIG.topk, early_exit=True),
+    "ballot, no early exit": dataclasses.replace(FIXED_CONFIG.topk, early_exit=False),
     "ballot float + early exit": dataclasses.replace(
         FIXED_CONFIG.topk, compare="float", early_exit=True
     ),
