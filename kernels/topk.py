@@ -29,7 +29,11 @@ Flagged rows are finished by `topk_rows_torch` (exact and deterministic, slower)
 
 Steps 1-3 run CTA-wide (`TopkConfig.kernel="cta"`, 8 warps a row, run 2's fixed config) or in one
 warp a row ("warp": same algorithm and output; counts and scans are shuffles, no barriers, 12
-programs an SM; see `_select_kernel`).
+programs an SM; see `_select_kernel`). The fixed config runs the one-warp select as two launches
+whose positions (step 2's compaction, step 3's tie ranks and staging write) come from warp
+ballots in inline PTX (`compact="ballot"`, `ballot_asm`; GPU only, the interpreter runs the
+prefix sum, same positions), and stops step 3's bitwise search at the first trial with exactly
+min(topk, count) candidates at or above it (`early_exit`).
 
 No atomics and no data-dependent reduction order anywhere, so the output is a pure function of
 the scores. Why not a bitonic top-k of the candidates inside the select: a 4096-wide int64
@@ -38,9 +42,10 @@ bitonic top-k compiled to ~23K SASS lines per row (about 5.8M thread-instruction
 in seconds. The bitonic *order* sorts only the 2048 selected: ~7K SASS lines a thread of 4
 warps (~28K warp instructions a row), ~10-20 s to compile.
 
-H200, S=64K, H=64, causal, topk 2048 (run 2): select kernel 16.3 ms (it reads the 8.6 GB of
-scores at ~0.5 TB/s: each 2048-score step is a CTA-wide scan and count behind barriers),
-stable sort and gather 5.6 ms; docs/KERNELS.md has the sweep and the candidates' predictions.
+H200, S=64K, H=64, causal, topk 2048: run 2's CTA select 16.3 ms (it reads the 8.6 GB of
+scores at ~0.5 TB/s: each 2048-score step is a CTA-wide scan and count behind barriers), the
+one-warp split select 9.3 ms, with ballots, prefetch and early exit 6.1 ms (2026-12-03); stable
+sort and gather 4.6 ms; docs/KERNELS.md has the sweeps and the candidates' predictions.
 """
 
 from __future__ import annotations
