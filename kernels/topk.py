@@ -610,6 +610,9 @@ def _sample_keys(row_base, ks, n, CAP: tl.constexpr, SAMPLE: tl.constexpr, PAIRS
         + si % 16
     )
     sok = (si >= 0) & (n[:, None] > CAP)
+    # a run may start within 15 of the row's end when n < 16 * (SAMPLE // 16) (small CAP):
+    # keep every read inside [ks, ke)
+    spos = tl.minimum(spos, ks[:, None] + n[:, None] - 1)
     samp = _ukey(tl.load(row_base[:, None] + spos, mask=sok, other=0.0))
     if PAIRS:
         samp = tl.where(sok, samp, 0)
@@ -716,6 +719,7 @@ def _select_kernel(
     count_ptr=None,
     BALLOT: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    BALLOT_STAGING: tl.constexpr = False,
 ):
     """Steps 1-3 for ROWS rows a program.
 
@@ -758,7 +762,7 @@ def _select_kernel(
     if STAGE != 1:
         _finish_rows(
             cand, count, ok, live, r, topk, skey_ptr, sidx_ptr, sentinel, K2, ROWS, CAP,
-            RADIX, WARP, CHUNK, RAW, BALLOT, EARLY,
+            RADIX, WARP, CHUNK, RAW, BALLOT_STAGING, EARLY,
         )  # fmt: skip
 
 
@@ -950,12 +954,16 @@ def launch_select(
             logits, logits.stride(0), col0 // 16 if aligned else col0, ks, ke, row0, n_rows,
             ws.cand.view(torch.int32), ws.skey, ws.sidx, ws.status, sentinel, topk, target,
         )  # fmt: skip
+        chunk = min(cap, config.chunk)
+        ballot = _use_ballot(config, aligned)
         meta = dict(
             ROWS=rows, K2=k2, CAP=cap, SAMPLE=config.sample, BLOCK=config.block,
-            MAX_PASSES=config.max_passes, RADIX=0, WARP=True, CHUNK=min(cap, config.chunk),
+            MAX_PASSES=config.max_passes, RADIX=0, WARP=True, CHUNK=chunk,
             ALIGNED=aligned, RAW=config.compare == "float", PREFETCH=config.prefetch,
-            INTERIOR=config.interior, BALLOT=_use_ballot(config, aligned),
-            EARLY=config.early_exit, num_warps=1,
+            INTERIOR=config.interior, BALLOT=ballot, EARLY=config.early_exit,
+            # the staging write's ballots take CHUNK-wide steps: 128-1024 (a small topk's
+            # candidate buffer, CAP < 128, is written with the prefix sum)
+            BALLOT_STAGING=ballot and chunk in BALLOT_BLOCKS, num_warps=1,
         )  # fmt: skip
         if not config.split:
             _select_kernel[grid](*args, **meta, maxnreg=config.warp_max_registers)

@@ -235,3 +235,15 @@ def test_ballot_positions_equal_the_prefix_sum(block: int) -> None:
         want = torch.where(sel, 999 + torch.cumsum(sel.int(), 0), 2**31 - 1).int()
         assert torch.equal(pos, want), density
         assert bool((base == 1000 + int(sel.sum())).all())
+
+
+@pytest.mark.parametrize("topk", [1, 8, 100, 300])
+def test_fixed_config_at_small_topk_equals_the_exact_torch_path(topk: int) -> None:
+    # candidate buffers below 128 (topk < 64) write the staging rows with the prefix sum, the
+    # others with ballots; both must give the exact answer
+    ks, ke = packed_ranges(DOCS)
+    q, k, w = random_inputs(4096, 64, 128, seed=9, device="cuda")
+    ks, ke = ks.cuda(), ke.cuda()
+    got = fp8_indexer_topk(q, k, w, ks, ke, topk)
+    logits = fp8_indexer_logits(q, k, w, ks, ke)
+    assert torch.equal(got, topk_rows_torch(logits, 0, ks, ke, topk, 4096))

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import (
+    FIXED_CONFIG,
     IndexerConfig,
     TopkConfig,
     fp8_indexer_logits,
@@ -296,3 +297,23 @@ def test_float_threshold_test_equals_the_key_test(device: str) -> None:
     assert ((got == 0) | (got == 3)).all(), "float and key tests disagree"
     assert (got[:, 0] == 3).all()  # threshold key 0 takes everything, -inf included
     assert got[1, 2] == 0 and got[0, 1] == 3 and got[1, 0] == 3  # -0.0 vs 1.0, +0.0, take-all
+
+
+def test_threshold_sample_stays_inside_the_row(device: str) -> None:
+    # Rows a little longer than the candidate buffer (CAP = 16 here) but shorter than the
+    # 2048-score sample: its last runs of 16 used to start within 15 of the row's end and read
+    # past ke (on the GPU an illegal address at the end of the logits buffer). Scores outside
+    # the rows are NaN: at topk 1 the sample's rank (4-5) lies among the 7-8 NaNs such reads
+    # bring in, the threshold is NaN, the one pass allowed misses and the row falls back.
+    g = torch.Generator().manual_seed(3)
+    ks = torch.tensor([0, 0, 200, 16], dtype=torch.int32)
+    ke = torch.tensor([1000, 600, 1000, 1008], dtype=torch.int32)
+    logits = torch.randn(4, 1024, generator=g)
+    cols = torch.arange(1024)[None, :]
+    outside = (cols < ks[:, None].long()) | (cols >= ke[:, None].long())
+    logits = torch.where(outside, torch.full_like(logits, float("nan")), logits).to(device)
+    stats: dict = {}
+    cfg = IndexerConfig(topk=dataclasses.replace(FIXED_CONFIG.topk, min_cap=16, max_passes=1))
+    got = topk_from_logits(logits, ks.to(device), ke.to(device), 1, config=cfg, stats=stats)
+    assert torch.equal(got.cpu(), reference_topk(logits.cpu().nan_to_num(-1e30), ks, ke, 1))
+    assert stats["fallback_rows"] == 0
