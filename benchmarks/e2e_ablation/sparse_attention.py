@@ -252,10 +252,11 @@ def _reference_chunk(
     valid = (slots[None, :] < nvalid[:, None].long()) & (ids >= 0) & (ids < s_k)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     kcs, kps = kc[safe], kp[safe]  # [C, W, Dc], [C, W, Dr]
+    acc = torch.promote_types(qn.dtype, torch.float32)  # softmax in fp32 (fp64 stays fp64)
     scores = (
-        torch.bmm(qn, kcs.transpose(1, 2)).float() + torch.bmm(qp, kps.transpose(1, 2)).float()
+        torch.bmm(qn, kcs.transpose(1, 2)).to(acc) + torch.bmm(qp, kps.transpose(1, 2)).to(acc)
     ) * scale
-    scores = scores.masked_fill(~valid[:, None, :], torch.finfo(torch.float32).min)
+    scores = scores.masked_fill(~valid[:, None, :], torch.finfo(acc).min)
     p = torch.softmax(scores, dim=-1) * valid[:, None, :]
     return torch.bmm(p.to(kcs.dtype), kcs)
 
