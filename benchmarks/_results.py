@@ -89,3 +89,24 @@ def append_saved_result(path: Path | str, title: str, what: str) -> str:
             raise ValueError(f"{path}: no {key!r} key; not the {what}")
     append_result(title, saved["markdown"], command=saved["command"], machine=saved["machine"])
     return saved["markdown"]
+
+
+def probe_main(doc: str, title: str, script: str, saved: str, run) -> None:
+    """The command line of a GPU diagnostic (`select_probe.py`, `logits_clock_probe.py`,
+    `indexer_timeline.py`): `--out DIR` runs `run(DIR or None)` on the GPU and saves `saved`
+    (a JSON with the RESULTS.md section) there; `--append-results FILE` appends a fetched one
+    here, under `title`, without a GPU."""
+    import argparse
+
+    import torch
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default="", help=f"folder for {saved} and its markdown")
+    ap.add_argument("--append-results", default="", help=f"append a fetched {saved}")
+    args = ap.parse_args()
+    if args.append_results:
+        append_saved_result(args.append_results, title, f"{saved} from `{script} --out`")
+        return
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU")
+    run(Path(args.out) if args.out else None)

@@ -13,7 +13,6 @@ and .md under --out; `--append-results FILE` appends the markdown to benchmarks/
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import sys
@@ -25,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import (
-    append_saved_result,
     command_line,
     machine_description,
     markdown_table,
+    probe_main,
 )
 from benchmarks.bench_indexer import TOPK, random_row, row_ranges
 from kernels import fp8_indexer_topk
@@ -141,18 +140,7 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="", help="folder for indexer_timeline.json / .md")
-    ap.add_argument("--append-results", default="", help="append a fetched indexer_timeline.json")
-    args = ap.parse_args()
-    if args.append_results:
-        append_saved_result(
-            args.append_results, TITLE, "indexer_timeline.json from `indexer_timeline.py --out`"
-        )
-        return
-    if not torch.cuda.is_available():
-        sys.exit("indexer_timeline.py needs a CUDA GPU")
-    run(Path(args.out) if args.out else None)
+    probe_main(__doc__, TITLE, "indexer_timeline.py", "indexer_timeline.json", run)
 
 
 if __name__ == "__main__":

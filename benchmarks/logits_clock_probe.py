@@ -19,7 +19,6 @@ markdown to benchmarks/RESULTS.md here afterwards.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import statistics
@@ -33,10 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import (
-    append_saved_result,
     command_line,
     machine_description,
     markdown_table,
+    probe_main,
 )
 from benchmarks.bench_indexer import TOPK, D, logits_runner, random_row, row_ranges
 from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
@@ -197,18 +196,7 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="", help="folder for logits_clock_probe.json / .md")
-    ap.add_argument("--append-results", default="", help="append a fetched logits_clock_probe.json")
-    args = ap.parse_args()
-    if args.append_results:
-        append_saved_result(
-            args.append_results, TITLE, "logits_clock_probe.json from `logits_clock_probe.py --out`"
-        )
-        return
-    if not torch.cuda.is_available():
-        sys.exit("logits_clock_probe.py needs a CUDA GPU")
-    probe(Path(args.out) if args.out else None)
+    probe_main(__doc__, TITLE, "logits_clock_probe.py", "logits_clock_probe.json", probe)
 
 
 if __name__ == "__main__":

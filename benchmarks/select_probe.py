@@ -22,7 +22,6 @@ by the device run (`--append-results DIR` appends the markdown here afterwards).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as _dt
 import json
@@ -36,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import (
-    append_saved_result,
     command_line,
     machine_description,
     markdown_table,
+    probe_main,
 )
 from benchmarks.bench_indexer import event_ms
 from kernels.order import finish_topk
@@ -234,18 +233,7 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="", help="folder for select_probe.json / .md")
-    ap.add_argument("--append-results", default="", help="append a fetched select_probe.json")
-    args = ap.parse_args()
-    if args.append_results:
-        append_saved_result(
-            args.append_results, TITLE, "select_probe.json from `select_probe.py --out`"
-        )
-        return
-    if not torch.cuda.is_available():
-        sys.exit("select_probe.py needs a CUDA GPU")
-    probe(Path(args.out) if args.out else None)
+    probe_main(__doc__, TITLE, "select_probe.py", "select_probe.json", probe)
 
 
 if __name__ == "__main__":
