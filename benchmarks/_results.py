@@ -12,6 +12,7 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
@@ -91,7 +92,9 @@ def append_saved_result(path: Path | str, title: str, what: str) -> str:
     return saved["markdown"]
 
 
-def probe_main(doc: str, title: str, script: str, saved: str, run) -> None:
+def probe_main(
+    doc: str, title: str, script: str, saved: str, run: Callable[[Path | None], object]
+) -> None:
     """The command line of a GPU diagnostic (`select_probe.py`, `logits_clock_probe.py`,
     `indexer_timeline.py`): `--out DIR` runs `run(DIR or None)` on the GPU and saves `saved`
     (a JSON with the RESULTS.md section) there; `--append-results FILE` appends a fetched one
