@@ -9,8 +9,6 @@ the layout the asm assumes, so a wrong builder fails without a GPU.
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -24,67 +22,16 @@ from kernels.topk import (
     ballot_asm,
     ballot_constraints,
 )
+from tests.kernels._ptx import Warp
 
 _LANES = 32
 
 
 def _run_warp(asm: str, inputs: np.ndarray, n_out: int) -> np.ndarray:
     """Execute the asm for 32 lanes; inputs [32, n_in] uint32 -> outputs [32, n_out] uint32."""
-    lines = [ln.strip() for ln in asm.split("\n")]
-    assert lines[0] == "{" and lines[-1] == "}"
-    regs: list[dict[str, int]] = [{} for _ in range(_LANES)]
-    outs = np.zeros((_LANES, n_out), dtype=np.uint64)
-
-    def val(lane: int, tok: str) -> int:
-        tok = tok.strip()
-        if tok.startswith("$"):
-            i = int(tok[1:])
-            assert i >= n_out, f"reads output operand {tok}"
-            return int(inputs[lane, i - n_out])
-        if tok.startswith("%"):
-            return regs[lane][tok]
-        return int(tok, 16) if tok.startswith("0x") else int(tok)
-
-    def put(lane: int, tok: str, v: int) -> None:
-        v &= 0xFFFFFFFF
-        if tok.startswith("$"):
-            i = int(tok[1:])
-            assert i < n_out, f"writes input operand {tok}"
-            outs[lane, i] = v
-        else:
-            regs[lane][tok] = v
-
-    for ln in lines[1:-1]:
-        if ln.startswith(".reg"):
-            continue
-        m = re.fullmatch(r"([\w.]+) (.*);", ln)
-        assert m, ln
-        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
-        if op == "vote.sync.ballot.b32":
-            assert args[2] == "0xffffffff"
-            mask = sum(1 << lane for lane in range(_LANES) if regs[lane][args[1]])
-            for lane in range(_LANES):
-                put(lane, args[0], mask)
-            continue
-        for lane in range(_LANES):
-            if op == "mov.u32" and args[1] == "%lanemask_lt":
-                put(lane, args[0], (1 << lane) - 1)
-            elif op in ("mov.b32", "mov.u32"):
-                put(lane, args[0], val(lane, args[1]))
-            elif op == "setp.ne.b32":
-                regs[lane][args[0]] = int(val(lane, args[1]) != val(lane, args[2]))
-            elif op == "popc.b32":
-                put(lane, args[0], bin(val(lane, args[1])).count("1"))
-            elif op == "and.b32":
-                put(lane, args[0], val(lane, args[1]) & val(lane, args[2]))
-            elif op == "add.u32":
-                put(lane, args[0], val(lane, args[1]) + val(lane, args[2]))
-            elif op == "selp.b32":
-                pick = regs[lane][args[3]]
-                put(lane, args[0], val(lane, args[1]) if pick else val(lane, args[2]))
-            else:
-                raise AssertionError(f"unknown instruction {ln!r}")
-    return outs.astype(np.uint32)
+    outs = Warp(asm).run([None] * n_out + list(inputs.T))
+    assert len(outs) == n_out, "the asm leaves outputs unwritten"
+    return np.stack(outs, axis=1)
 
 
 @pytest.mark.parametrize("block", BALLOT_BLOCKS)
