@@ -13,7 +13,8 @@ row gives ks = the document's start, ke = the query's position + 1).
   keys hold the sentinel S_k (`kernels.topk`). Output is a pure function of the inputs: no
   atomics, fixed reduction trees, so it is bitwise identical across calls and processes on
   the same GPU model and software.
-- NaN or +-inf in q, k or w raises ValueError (checked on the per-vector scales, one sync).
+- NaN or +-inf in q, k or w raises ValueError (checked on the per-vector scales; by
+  `fp8_indexer_topk` at the sync that ends the call, so that nothing waits for the check).
 
 Memory: the fp32 logits are materialised one chunk of queries at a time, each chunk holding
 rows x (its key window, padded to 16) floats plus a CAP-wide int64 candidate buffer per row,
@@ -95,6 +96,9 @@ class PreparedInputs:
     s_q: int = 0
     s_k: int = 0
     heads: int = 0  # padded
+    # float32 [4] on the device, not yet checked (`prepare_inputs(defer_finite_check=True)`):
+    # `indexer_topk_prepared` checks it at its final sync
+    finite_flags: torch.Tensor | None = field(default=None, repr=False)
 
 
 def _next_pow2(n: int) -> int:
@@ -139,39 +143,43 @@ def _extremes(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def prepare_inputs(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    defer_finite_check: bool = False,
 ) -> PreparedInputs:
-    """Validate, quantize and pad; raises ValueError on bad shapes, ranges or non-finite values."""
+    """Validate, quantize and pad; raises ValueError on bad shapes, ranges or non-finite values.
+
+    ks and ke come to the host first (one transfer, before any kernel of this call is queued,
+    so it waits only for whatever produced them), then the quantizers and everything after
+    them are queued without a sync. The finiteness of q, k and w is four floats on the device
+    (`PreparedInputs.finite_flags`): checked here with one more transfer, or, with
+    `defer_finite_check`, by `indexer_topk_prepared` at the sync it makes anyway at the end.
+    The deferred check lets the host plan and queue the chunks while the quantizers run; a
+    non-finite input then still raises, after the (meaningless) scores were computed.
+    """
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape
     s_k = k.shape[0]
-    q8, q_scale = quantize_fp8(q)
-    k8, k_scale = quantize_fp8(k)
-    # one device -> host transfer: the ranges and every check. The quantizers set a vector's
-    # scale to NaN or inf when it holds NaN or inf, and amax / aminmax propagate both, so four
-    # floats (bit-cast to int32 beside ks and ke) say whether q, k and w are finite: a handful
-    # of kernels instead of a chain of elementwise ops and reductions a tensor (each a launch)
-    extremes = [_extreme(q_scale), _extreme(k_scale), *_extremes(w)]
-    flags = torch.stack(extremes).view(torch.int32)
-    host = torch.cat([ks, ke, flags]).cpu().numpy()
-    ks_host = host[:s_q].astype(np.int64)
-    ke_host = host[s_q : 2 * s_q].astype(np.int64)
-    finite = np.isfinite(host[2 * s_q :].view(np.float32))
+    host = torch.cat([ks, ke]).cpu().numpy().astype(np.int64)
+    ks_host, ke_host = host[:s_q], host[s_q:]
     bad_range = (ks_host < 0) | (ke_host > s_k)
     if bad_range.any():
         t = int(np.flatnonzero(bad_range)[0])
         raise ValueError(
             f"query {t}: [ks, ke) = [{ks_host[t]}, {ke_host[t]}) leaves the keys [0, {s_k})"
         )
-    names = [
-        name
-        for name, ok in zip("qkw", [finite[0], finite[1], finite[2:].all()], strict=True)
-        if not ok
-    ]
-    if names:
-        raise ValueError(
-            f"non-finite values (NaN or inf) in {', '.join(names)}: the indexer refuses them"
-        )
+    q8, q_scale = quantize_fp8(q)
+    k8, k_scale = quantize_fp8(k)
+    # the quantizers set a vector's scale to NaN or inf when it holds NaN or inf, and amax /
+    # aminmax propagate both: four floats say whether q, k and w are finite (a handful of
+    # kernels instead of a chain of elementwise ops and reductions a tensor)
+    flags = torch.stack([_extreme(q_scale), _extreme(k_scale), *_extremes(w)])
+    if not defer_finite_check:
+        check_finite(flags)
     wq = w.float() * q_scale
     hp, dp = _next_pow2(h), max(32, _next_pow2(d))
     s_kp = -(-s_k // KEY_PAD) * KEY_PAD
@@ -199,7 +207,22 @@ def prepare_inputs(
         s_q=s_q,
         s_k=s_k,
         heads=hp,
+        finite_flags=flags if defer_finite_check else None,
     )
+
+
+def check_finite(flags: torch.Tensor) -> None:
+    """Raise ValueError unless the four extremes (q scale, k scale, min w, max w) are finite."""
+    finite = np.isfinite(flags.cpu().numpy())
+    names = [
+        name
+        for name, ok in zip("qkw", [finite[0], finite[1], finite[2:].all()], strict=True)
+        if not ok
+    ]
+    if names:
+        raise ValueError(
+            f"non-finite values (NaN or inf) in {', '.join(names)}: the indexer refuses them"
+        )
 
 
 def plan_chunks(
@@ -308,6 +331,8 @@ def indexer_topk_prepared(
     streams.join()
     bufs.clear()  # the exact path below plans its own memory under the same bound
     del ws
+    if p.finite_flags is not None:
+        check_finite(p.finite_flags)  # the call's first sync: every chunk is queued
     fallback = _finish_flagged_rows(p, status, out, topk, config, launch)
     if timing:
         torch.cuda.synchronize()
@@ -472,7 +497,8 @@ def fp8_indexer_topk(
     config: IndexerConfig = FIXED_CONFIG,
 ) -> torch.Tensor:
     """Indices [S_q, topk] int32 of each query's top-k keys in [ks, ke) (see module docstring)."""
-    return indexer_topk_prepared(prepare_inputs(q, k, w, ks, ke), topk, config)
+    p = prepare_inputs(q, k, w, ks, ke, defer_finite_check=True)
+    return indexer_topk_prepared(p, topk, config)
 
 
 def fp8_indexer_logits(

@@ -32,6 +32,7 @@ def _case(device: str, s_docs: list[int] = (90, 60, 47)) -> tuple:
     return q, k, w, ks.to(device), ke.to(device)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("where", ["q", "k", "w"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_inputs_raise(where: str, bad: float, device: str) -> None:
@@ -39,7 +40,12 @@ def test_nonfinite_inputs_raise(where: str, bad: float, device: str) -> None:
     x = {"q": q, "k": k, "w": w}[where]
     x.view(-1)[17] = bad
     with pytest.raises(ValueError, match=f"non-finite values .* in {where}"):
-        fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL)
+        fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL)  # checked at the end of the call
+    with pytest.raises(ValueError, match=f"non-finite values .* in {where}"):
+        prepare_inputs(q, k, w, ks, ke)  # checked at once
+    p = prepare_inputs(q, k, w, ks, ke, defer_finite_check=True)
+    with pytest.raises(ValueError, match=f"non-finite values .* in {where}"):
+        indexer_topk_prepared(p, 8, SMALL)
 
 
 def test_bad_shapes_and_ranges_raise(device: str) -> None:
