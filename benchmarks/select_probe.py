@@ -14,7 +14,9 @@ the time without guessing:
 2. the same at topk 256 (candidate buffer 512 instead of 4096: a cheap exact select);
 3. each variant's compiled kernel: registers, spills, shared memory, programs an SM, and SASS
    instruction counts (total, shuffles, global loads / stores, barriers) when cuobjdump runs;
-4. the order step (stable torch sort + gather) on the same R rows, and torch.topk for scale.
+4. the order step on the fixed select's staging rows (n = 64K): the stable torch sort + gather
+   and the radix order variants (`ORDERS`, each checked against the sort), and torch.topk for
+   scale.
 
 Writes select_probe.json and select_probe.md under --out; nothing is appended to RESULTS.md
 by the device run (`--append-results DIR` appends the markdown here afterwards).
@@ -41,7 +43,7 @@ from benchmarks._results import (
     probe_main,
 )
 from benchmarks.bench_indexer import event_ms
-from kernels.order import finish_topk
+from kernels.order import finish_topk, order_topk
 from kernels.topk import (
     FIXED_TOPK_CONFIG,
     SCAN_TOPK_CONFIG,
@@ -60,19 +62,18 @@ _FIXED = FIXED_TOPK_CONFIG
 # compaction loop (Triton 3.9, compiled on CPU): scan 737 instructions a 512-score block,
 # ballot 449, ballot + float test 361, and 160 a 256-score block. The first variant is the
 # reference of the "staging == fixed" column. The morning's variants are in RESULTS.md.
-_BALLOT = dataclasses.replace(_FIXED, compare="float", prefetch=False)
 VARIANTS: dict[str, TopkConfig] = {
     "fixed (split 96, ballot 512 prefetch, early exit)": _FIXED,
-    "fixed, no early exit": dataclasses.replace(_FIXED, early_exit=False),
     "scan (the morning's fixed)": SCAN_TOPK_CONFIG,
-    "ballot 512, no prefetch": dataclasses.replace(_FIXED, prefetch=False),
-    "ballot float 512 prefetch": dataclasses.replace(_BALLOT, prefetch=True),
-    "ballot float 512 prefetch + early exit": dataclasses.replace(
-        _BALLOT, prefetch=True, early_exit=True
-    ),
 }
-# the afternoon's first two probes also ran ballot float at blocks 128 and 256, and at 64
-# registers (RESULTS.md): none beat the block-512 variants at 32K scores a row or more
+# the afternoon's probes also ran the select without early exit or prefetch, with the float
+# threshold test, at blocks 128 and 256 and at 64 registers (RESULTS.md): none beat the fixed
+# select at 32K scores a row or more. The order step's candidates (on the fixed select's
+# staging rows, each checked against the stable torch sort):
+ORDERS: dict[str, TopkConfig] = {
+    "radix order (ballot peers, fixed)": _FIXED,
+    "radix order (match.any peers)": dataclasses.replace(_FIXED, order_peers="match"),
+}
 TOPKS = (2048,)  # the morning's runs also timed topk 256 (a cheap exact select)
 
 
@@ -121,6 +122,7 @@ def probe(out: Path | None) -> dict:
         "timings": [],
         "kernels": {},
         "order": {},
+        "order_same": {},  # radix orders: indices equal to the stable sort's
     }
     fixed_staging: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for name, cfg in VARIANTS.items():
@@ -163,6 +165,13 @@ def probe(out: Path | None) -> dict:
                 res["order"]["stable sort + gather"] = event_ms(
                     lambda ws=ws: finish_topk(ws, ROWS, 2048), reps=5
                 )
+                want = finish_topk(ws, ROWS, 2048)
+                got = torch.empty_like(want)
+                for label, ocfg in ORDERS.items():
+                    res["order"][label] = event_ms(
+                        lambda ws=ws, o=got, c=ocfg: order_topk(ws, o, ROWS, 2048, c), reps=5
+                    )
+                    res["order_same"][label] = torch.equal(got, want)
             del ws
     for n in (8192, 65536):
         res["order"][f"torch.topk over [{ROWS}, {n}]"] = event_ms(
@@ -228,7 +237,13 @@ def markdown(res: dict) -> str:
             )
         )
     lines.append("\nOrder step and torch.topk on the same rows:\n")
-    lines.append(markdown_table(["what", "ms"], [[k, f"{v:.2f}"] for k, v in res["order"].items()]))
+    same = res.get("order_same", {})
+    lines.append(
+        markdown_table(
+            ["what", "ms", "same indices as the stable sort"],
+            [[k, f"{v:.2f}", same.get(k, "")] for k, v in res["order"].items()],
+        )
+    )
     return "\n".join(lines) + "\n"
 
 

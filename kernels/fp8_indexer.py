@@ -91,7 +91,7 @@ class PreparedInputs:
     k_scale: torch.Tensor  # [S_kp] fp32
     ks: torch.Tensor  # [S_q] int32, on the device
     ke: torch.Tensor  # [S_q] int32, on the device
-    ks_host: np.ndarray = field(repr=False)  # int64 copies for chunk planning
+    ks_host: np.ndarray = field(repr=False)  # int32 copies for chunk planning
     ke_host: np.ndarray = field(repr=False)
     s_q: int = 0
     s_k: int = 0
@@ -164,16 +164,17 @@ def prepare_inputs(
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape
     s_k = k.shape[0]
-    host = torch.cat([ks, ke]).cpu().numpy().astype(np.int64)
+    host = torch.cat([ks, ke]).cpu().numpy()
+    # the quantizers read no ranges: queued first, they run while the host checks the ranges
+    # (and, in `indexer_topk_prepared`, plans the chunks)
+    q8, q_scale = quantize_fp8(q)
+    k8, k_scale = quantize_fp8(k)
     ks_host, ke_host = host[:s_q], host[s_q:]
-    bad_range = (ks_host < 0) | (ke_host > s_k)
-    if bad_range.any():
-        t = int(np.flatnonzero(bad_range)[0])
+    if s_q and (int(ks_host.min()) < 0 or int(ke_host.max()) > s_k):
+        t = int(np.flatnonzero((ks_host < 0) | (ke_host > s_k))[0])
         raise ValueError(
             f"query {t}: [ks, ke) = [{ks_host[t]}, {ke_host[t]}) leaves the keys [0, {s_k})"
         )
-    q8, q_scale = quantize_fp8(q)
-    k8, k_scale = quantize_fp8(k)
     # the quantizers set a vector's scale to NaN or inf when it holds NaN or inf, and amax /
     # aminmax propagate both: four floats say whether q, k and w are finite (a handful of
     # kernels instead of a chain of elementwise ops and reductions a tensor)
@@ -239,16 +240,19 @@ def plan_chunks(
     ks of its non-empty rows rounded down to 16 and width padded to 16; rows per chunk are a
     multiple of `align` (whole query blocks), at least `align` even if that exceeds the bound.
     """
-    ks, ke = np.asarray(ks, dtype=np.int64), np.asarray(ke, dtype=np.int64)
+    ks, ke = np.asarray(ks), np.asarray(ke)
     per_row = 4 * s_kp + extra_per_row
     rows = max(align, (max_chunk_bytes // per_row) // align * align)
     starts = np.arange(0, len(ks), rows)
     if not len(starts):
         return []
     live = ke > ks  # empty rows do not widen a chunk's key window
-    none = np.iinfo(np.int64).max
-    lo = np.minimum.reduceat(np.where(live, ks, none), starts)
-    hi = np.maximum.reduceat(np.where(live, ke, -1), starts)
+    none = np.iinfo(ks.dtype).max
+    if live.all():  # the common case: two reductions, no masked copies
+        lo, hi = np.minimum.reduceat(ks, starts), np.maximum.reduceat(ke, starts)
+    else:
+        lo = np.minimum.reduceat(np.where(live, ks, none), starts)
+        hi = np.maximum.reduceat(np.where(live, ke, -1), starts)
     chunks = []
     for r0, a, b in zip(starts.tolist(), lo.tolist(), hi.tolist(), strict=True):
         r1 = min(len(ks), r0 + rows)
@@ -292,8 +296,9 @@ def indexer_topk_prepared(
     extra = TopkWorkspace.bytes_per_row(topk, config.topk)
     s_kp = p.k8.shape[0]
     chunks = plan_chunks(p.ks_host, p.ke_host, s_kp, extra, config.max_chunk_bytes // streams.n_buf)
-    work = _work_prefix(p.ks_host, p.ke_host)
-    chunks.sort(key=lambda c: -int(work[c[1]] - work[c[0]]))  # stable: ties keep order
+    work = _chunk_work(p.ks_host, p.ke_host, chunks)
+    order = sorted(range(len(chunks)), key=lambda i: -work[i])  # stable: ties keep order
+    chunks = [chunks[i] for i in order]
     max_rows = max((r1 - r0 for r0, r1, _, _ in chunks), default=0)
     max_width = max((w for _, _, _, w in chunks), default=COL_ALIGN)
     bufs = [
@@ -345,10 +350,15 @@ def indexer_topk_prepared(
     return out
 
 
-def _work_prefix(ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
-    """Prefix sums of in-range (query, key) pairs: rows [r0, r1) hold work[r1] - work[r0],
-    what their logits and their select cost."""
-    return np.concatenate([[0], np.cumsum(np.maximum(ke - ks, 0))])
+def _chunk_work(
+    ks: np.ndarray, ke: np.ndarray, chunks: list[tuple[int, int, int, int]]
+) -> list[int]:
+    """In-range (query, key) pairs of each chunk (rows [r0, r1)): what its logits and its
+    select cost. The chunks tile the rows in order (`plan_chunks`)."""
+    if not chunks:
+        return []
+    starts = np.array([c[0] for c in chunks])
+    return np.add.reduceat(np.maximum(ke - ks, 0), starts, dtype=np.int64).tolist()
 
 
 @dataclass

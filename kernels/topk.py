@@ -65,7 +65,7 @@ I32_MIN = -(2**31)
 
 _SELECTS = {"radix": 1, "bitwise": 0}  # constexpr RADIX of the CTA kernel
 _KERNELS = ("cta", "warp")  # `_select_kernel` with WARP = False / True
-_ORDERS = ("torch", "bitonic")  # staging -> output: `kernels.order`
+_ORDERS = ("torch", "bitonic", "radix")  # staging -> output: `kernels.order`
 _COMPACTS = ("scan", "ballot")  # compaction positions: `_compact_pass`
 
 
@@ -189,7 +189,10 @@ class TopkConfig:
     (counts and scans are shuffles; ~11 programs an SM), with the same algorithm and output.
     `order`: "torch" sorts the staging rows with a stable torch.sort and gathers; "bitonic"
     sorts packed (key, index) int64 pairs with `tl.sort` in one Triton kernel of
-    `order_warps` warps. Every combination gives the same indices.
+    `order_warps` warps; "radix" sorts each row in one warp with a stable radix sort in inline
+    PTX (`kernels.order.radix_order_asm`; GPU, staging rows of 32-2048: elsewhere the torch
+    sort runs), its peers found with 8 ballots or `match.any` (`order_peers`). Every
+    combination gives the same indices.
     """
 
     sample: int = 2048  # threshold sample size (power of two, >= 16): runs of 16 scores
@@ -205,8 +208,11 @@ class TopkConfig:
     # registers a thread: one program per SM instead of two).
     select: Literal["radix", "bitwise"] = "bitwise"
     kernel: Literal["cta", "warp"] = "cta"
-    order: Literal["torch", "bitonic"] = "torch"
+    order: Literal["torch", "bitonic", "radix"] = "torch"
     order_warps: int = 4
+    # radix order: each lane's peers (same digit) from 8 ballots or from match.any, which was
+    # slower on the H200 (0.86 against 0.68 ms for 16K rows of 2048, select probe 2026-12-03)
+    order_peers: Literal["match", "ballot"] = "ballot"
     chunk: int = 512  # warp kernel: candidates a step of the staging write
     # warp kernel: register cap (ptxas takes all 255 of a one-warp program otherwise: 8 warps
     # an SM; 168 gives 12 without spills at block 512, chunk 512, topk 2048; sm_90 compile)
@@ -309,6 +315,10 @@ class TopkConfig:
             )
         if self.order_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"TopkConfig.order_warps={self.order_warps}: must be 1, 2, 4, 8 or 16")
+        if self.order_peers not in ("match", "ballot"):
+            raise ValueError(
+                f"TopkConfig.order_peers={self.order_peers!r}: must be 'match' or 'ballot'"
+            )
 
     def sizes(self, topk: int) -> tuple[int, int]:
         """(K2 = staging width, a power of two >= topk; CAP = candidate buffer per row)."""
@@ -334,7 +344,10 @@ class TopkConfig:
                 head += " early"
         else:
             head = f"{self.select} rows={self.rows_per_program} warps={self.num_warps} block={self.block}"
-        order = f"bitonic/{self.order_warps}w" if self.order == "bitonic" else "torch sort"
+        order = {
+            "bitonic": f"bitonic/{self.order_warps}w",
+            "radix": "radix order" + (" (match.any peers)" if self.order_peers == "match" else ""),
+        }.get(self.order, "torch sort")
         return f"{head} sample={self.sample}, {order}"
 
 
@@ -354,9 +367,10 @@ ONE_LAUNCH_TOPK_CONFIG = TopkConfig(kernel="warp", block=512, chunk=512)
 SCAN_TOPK_CONFIG = TopkConfig(
     kernel="warp", block=512, chunk=512, split=True, compact_max_registers=96
 )
-FIXED_TOPK_CONFIG = dataclasses.replace(
+BALLOT_TOPK_CONFIG = dataclasses.replace(  # the fixed top-k before the radix order
     SCAN_TOPK_CONFIG, compact="ballot", prefetch=True, early_exit=True
 )
+FIXED_TOPK_CONFIG = dataclasses.replace(BALLOT_TOPK_CONFIG, order="radix")
 
 
 @triton.jit

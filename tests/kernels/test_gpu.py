@@ -24,8 +24,10 @@ from kernels import (
     reference_topk,
     topk_rows_torch,
 )
+from kernels.order import finish_topk, order_topk
 from kernels.topk import (
     BALLOT_BLOCKS,
+    BALLOT_TOPK_CONFIG,
     ONE_LAUNCH_TOPK_CONFIG,
     SCAN_TOPK_CONFIG,
     TopkWorkspace,
@@ -183,6 +185,8 @@ TOPK_VARIANTS = {
     "ballot float 128 prefetch": TopkConfig(**{**_WARP, "block": 128}, split=True,
                                             compact="ballot", compare="float", prefetch=True),
     "ballot one launch 1024": TopkConfig(**{**_WARP, "block": 1024}, compact="ballot"),
+    "ballot, torch order": BALLOT_TOPK_CONFIG,  # the fixed top-k before the radix order
+    "radix order, match.any peers": dataclasses.replace(FIXED_CONFIG.topk, order_peers="match"),
 }  # fmt: skip
 
 
@@ -235,6 +239,37 @@ def test_ballot_positions_equal_the_prefix_sum(block: int) -> None:
         want = torch.where(sel, 999 + torch.cumsum(sel.int(), 0), 2**31 - 1).int()
         assert torch.equal(pos, want), density
         assert bool((base == 1000 + int(sel.sum())).all())
+
+
+@pytest.mark.parametrize("peers", ["match", "ballot"])
+@pytest.mark.parametrize(
+    ("k2", "topk"), [(32, 20), (64, 64), (512, 300), (2048, 2048), (2048, 1500)]
+)
+def test_radix_order_equals_the_stable_torch_sort(k2: int, topk: int, peers: str) -> None:
+    # staging rows with ties (few distinct keys), the int32 extremes, padding slots, keys that
+    # share their high digits (skipped passes) and distinct random keys, row by row
+    g = torch.Generator(device="cuda").manual_seed(k2 + topk)
+    rows = 4096
+    dev = "cuda"
+    cfg = dataclasses.replace(FIXED_CONFIG.topk, order="radix", order_peers=peers)
+    ws = TopkWorkspace.allocate(rows, topk, cfg, dev)
+    assert ws.skey.shape[1] == k2
+    rand = torch.randint(
+        -(2**31), 2**31 - 1, (rows, k2), device=dev, generator=g, dtype=torch.int64
+    )
+    few = torch.tensor([-(2**31) + 1, -5, -1, 0, 1, 2**24, 2**31 - 1], device=dev)
+    kind = torch.arange(rows, device=dev)[:, None] % 4
+    key = torch.where(kind == 0, rand, few[rand.abs() % len(few)])
+    key = torch.where(kind == 2, 0x3F000000 + rand.abs() % 256, key)
+    n_real = torch.randint(1, k2 + 1, (rows, 1), device=dev, generator=g)
+    pad = torch.arange(k2, device=dev)[None, :] >= n_real
+    ws.skey.copy_(torch.where(pad, -(2**31), key).int())
+    idx = torch.sort(torch.rand(rows, 4 * k2, device=dev, generator=g).argsort(1)[:, :k2], 1)
+    ws.sidx.copy_(torch.where(pad, 4 * k2, idx.values).int())
+    out = torch.full((rows, topk + 3), -7, dtype=torch.int32, device=dev)
+    order_topk(ws, out[:, :topk], rows, topk, cfg)
+    assert torch.equal(out[:, :topk], finish_topk(ws, rows, topk))
+    assert bool((out[:, topk:] == -7).all())
 
 
 @pytest.mark.parametrize("topk", [1, 8, 100, 300])

@@ -251,7 +251,8 @@ def test_bitonic_order_equals_the_stable_sort() -> None:
     ("field", "value"),
     [
         ("kernel", "block"),
-        ("order", "radix"),
+        ("order", "merge"),
+        ("order_peers", "vote"),
         ("warp_max_registers", 300),
         ("chunk", 24),
         ("compare", "int"),
