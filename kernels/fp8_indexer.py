@@ -153,22 +153,30 @@ def prepare_inputs(
 ) -> PreparedInputs:
     """Validate, quantize and pad; raises ValueError on bad shapes, ranges or non-finite values.
 
-    ks and ke come to the host first (one transfer, before any kernel of this call is queued,
-    so it waits only for whatever produced them), then the quantizers and everything after
-    them are queued without a sync. The finiteness of q, k and w is four floats on the device
-    (`PreparedInputs.finite_flags`): checked here with one more transfer, or, with
-    `defer_finite_check`, by `indexer_topk_prepared` at the sync it makes anyway at the end.
-    The deferred check lets the host plan and queue the chunks while the quantizers run; a
-    non-finite input then still raises, after the (meaningless) scores were computed.
+    On a GPU the copy of ks and ke to the host is queued first (asynchronous, into pinned
+    memory), then the quantizers, which read no ranges; the host waits for the copy alone and
+    checks the ranges (and `indexer_topk_prepared` plans and queues the chunks) while the
+    quantizers run. A bad range still raises before anything reads it. The finiteness of q, k
+    and w is four floats on the device (`PreparedInputs.finite_flags`): checked here with one
+    more transfer, or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it
+    makes anyway at the end; a non-finite input then still raises, after the (meaningless)
+    scores were computed.
     """
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape
     s_k = k.shape[0]
-    host = torch.cat([ks, ke]).cpu().numpy()
-    # the quantizers read no ranges: queued first, they run while the host checks the ranges
-    # (and, in `indexer_topk_prepared`, plans the chunks)
+    ranges = torch.cat([ks, ke])
+    if ranges.is_cuda:
+        host_t = ranges.to("cpu", non_blocking=True)  # pinned: no sync
+        copied = torch.cuda.Event()
+        copied.record()
+    else:
+        host_t, copied = ranges, None
     q8, q_scale = quantize_fp8(q)
     k8, k_scale = quantize_fp8(k)
+    if copied is not None:
+        copied.synchronize()  # the copy only: the quantizers queued after it keep running
+    host = host_t.numpy()
     ks_host, ke_host = host[:s_q], host[s_q:]
     if s_q and (int(ks_host.min()) < 0 or int(ke_host.max()) > s_k):
         t = int(np.flatnonzero((ks_host < 0) | (ke_host > s_k))[0])
@@ -214,7 +222,11 @@ def prepare_inputs(
 
 def check_finite(flags: torch.Tensor) -> None:
     """Raise ValueError unless the four extremes (q scale, k scale, min w, max w) are finite."""
-    finite = np.isfinite(flags.cpu().numpy())
+    _raise_unless_finite(flags.cpu().numpy())
+
+
+def _raise_unless_finite(extremes: np.ndarray) -> None:
+    finite = np.isfinite(extremes)
     names = [
         name
         for name, ok in zip("qkw", [finite[0], finite[1], finite[2:].all()], strict=True)
@@ -336,9 +348,13 @@ def indexer_topk_prepared(
     streams.join()
     bufs.clear()  # the exact path below plans its own memory under the same bound
     del ws
+    # the call's one sync after the chunks: the flagged rows, and the deferred finite check
+    tail = [status] if p.finite_flags is None else [p.finite_flags.view(torch.int32), status]
+    host = torch.cat(tail).cpu().numpy()
     if p.finite_flags is not None:
-        check_finite(p.finite_flags)  # the call's first sync: every chunk is queued
-    fallback = _finish_flagged_rows(p, status, out, topk, config, launch)
+        _raise_unless_finite(host[:4].view(np.float32))
+        host = host[4:]
+    fallback = _finish_flagged_rows(p, np.flatnonzero(host), out, topk, config, launch)
     if timing:
         torch.cuda.synchronize()
         for name, i in (("logits_ms", 0), ("select_ms", 1), ("order_ms", 2)):
@@ -408,20 +424,20 @@ class _Streams:
 
 def _finish_flagged_rows(
     p: PreparedInputs,
-    status: torch.Tensor,
+    bad: np.ndarray,
     out: torch.Tensor,
     topk: int,
     config: IndexerConfig,
     launch: Callable[..., None],
 ) -> int:
-    """Rows the select flagged: recompute their logits, exact torch top-k. Returns the count.
+    """Rows the select flagged (`bad`, ascending): recompute their logits, exact torch top-k.
+    Returns the count.
 
-    One host sync per call. Consecutive flagged rows share one logits launch (as many as fit
+    Consecutive flagged rows share one logits launch (as many as fit
     `max_chunk_bytes` with the exact path's int64 sort temporaries, ~40 B a score); a row's
     scores do not depend on which other rows share its launch, so they are the chunk's scores
     bitwise.
     """
-    bad = torch.nonzero(status).flatten().cpu().numpy()
     if bad.size == 0:
         return 0
     runs = np.split(bad, np.flatnonzero(np.diff(bad) != 1) + 1)
