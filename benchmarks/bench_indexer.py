@@ -421,8 +421,8 @@ def main() -> None:
         if swept:
             tk, best_topk = swept
             body += (
-                "### Top-k configs at S=64K, H=64, causal (select kernel; stable sort + gather;"
-                " one stream)\n\n"
+                "### Top-k configs at S=64K, H=64, causal (select kernel, then each config's"
+                " order step; one stream)\n\n"
             )
             body += markdown_table(
                 ["config", "select ms", "order ms", "top-k ms", "fallback rows", "same indices"], tk

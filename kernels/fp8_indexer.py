@@ -96,9 +96,12 @@ class PreparedInputs:
     s_q: int = 0
     s_k: int = 0
     heads: int = 0  # padded
-    # float32 [4] on the device, not yet checked (`prepare_inputs(defer_finite_check=True)`):
-    # `indexer_topk_prepared` checks it at its final sync
-    finite_flags: torch.Tensor | None = field(default=None, repr=False)
+    # (q_scale, k_scale, w) not yet checked for non-finite values
+    # (`prepare_inputs(defer_finite_check=True)`): `indexer_topk_prepared` reduces them after
+    # queueing the chunks and checks the result at its final sync
+    unchecked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
 
 
 def _next_pow2(n: int) -> int:
@@ -157,10 +160,10 @@ def prepare_inputs(
     memory), then the quantizers, which read no ranges; the host waits for the copy alone and
     checks the ranges (and `indexer_topk_prepared` plans and queues the chunks) while the
     quantizers run. A bad range still raises before anything reads it. The finiteness of q, k
-    and w is four floats on the device (`PreparedInputs.finite_flags`): checked here with one
-    more transfer, or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it
-    makes anyway at the end; a non-finite input then still raises, after the (meaningless)
-    scores were computed.
+    and w is four floats on the device (`_finite_flags`): checked here with one more transfer,
+    or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it makes anyway at
+    the end (`PreparedInputs.unchecked`); a non-finite input then still raises, after the
+    (meaningless) scores were computed.
     """
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape
@@ -183,12 +186,8 @@ def prepare_inputs(
         raise ValueError(
             f"query {t}: [ks, ke) = [{ks_host[t]}, {ke_host[t]}) leaves the keys [0, {s_k})"
         )
-    # the quantizers set a vector's scale to NaN or inf when it holds NaN or inf, and amax /
-    # aminmax propagate both: four floats say whether q, k and w are finite (a handful of
-    # kernels instead of a chain of elementwise ops and reductions a tensor)
-    flags = torch.stack([_extreme(q_scale), _extreme(k_scale), *_extremes(w)])
     if not defer_finite_check:
-        check_finite(flags)
+        check_finite(_finite_flags(q_scale, k_scale, w))
     wq = w.float() * q_scale
     hp, dp = _next_pow2(h), max(32, _next_pow2(d))
     s_kp = -(-s_k // KEY_PAD) * KEY_PAD
@@ -216,8 +215,17 @@ def prepare_inputs(
         s_q=s_q,
         s_k=s_k,
         heads=hp,
-        finite_flags=flags if defer_finite_check else None,
+        unchecked=(q_scale, k_scale, w) if defer_finite_check else None,
     )
+
+
+def _finite_flags(q_scale: torch.Tensor, k_scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 [4] on the device: the largest q and k scales, the smallest and largest w.
+
+    The quantizers set a vector's scale to NaN or inf when it holds NaN or inf, and amax /
+    aminmax propagate both: four floats say whether q, k and w are finite (a handful of
+    kernels instead of a chain of elementwise ops and reductions a tensor)."""
+    return torch.stack([_extreme(q_scale), _extreme(k_scale), *_extremes(w)])
 
 
 def check_finite(flags: torch.Tensor) -> None:
@@ -304,7 +312,6 @@ def indexer_topk_prepared(
     dev = p.q8.device
     streams = _Streams.create(dev, config.overlap)
     out = torch.empty((p.s_q, topk), dtype=torch.int32, device=dev)
-    status = torch.zeros(p.s_q, dtype=torch.int32, device=dev)
     extra = TopkWorkspace.bytes_per_row(topk, config.topk)
     s_kp = p.k8.shape[0]
     chunks = plan_chunks(p.ks_host, p.ke_host, s_kp, extra, config.max_chunk_bytes // streams.n_buf)
@@ -317,7 +324,10 @@ def indexer_topk_prepared(
         torch.empty(max_rows * max_width, dtype=torch.float32, device=dev)
         for _ in range(streams.n_buf)
     ]
-    ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
+    # the select's workspace and flags are allocated behind the first logits launch: until it
+    # the GPU waits for the host
+    ws: TopkWorkspace | None = None
+    status = torch.zeros(p.s_q, dtype=torch.int32, device=dev) if not chunks else None
     timing = bool(stats and stats.get("timing")) and dev.type == "cuda"
     marks: list[list[torch.cuda.Event]] = []
 
@@ -336,6 +346,9 @@ def indexer_topk_prepared(
             p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
             heads=p.heads, row0=r0, n_rows=n, col0=col0, config=config.logits,
         )  # fmt: skip
+        if ws is None:
+            ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
+            status = torch.zeros(p.s_q, dtype=torch.int32, device=dev)
         with streams.topk_side(j):
             mark()
             launch_select(
@@ -349,9 +362,11 @@ def indexer_topk_prepared(
     bufs.clear()  # the exact path below plans its own memory under the same bound
     del ws
     # the call's one sync after the chunks: the flagged rows, and the deferred finite check
-    tail = [status] if p.finite_flags is None else [p.finite_flags.view(torch.int32), status]
+    tail = [status]
+    if p.unchecked is not None:
+        tail.insert(0, _finite_flags(*p.unchecked).view(torch.int32))
     host = torch.cat(tail).cpu().numpy()
-    if p.finite_flags is not None:
+    if p.unchecked is not None:
         _raise_unless_finite(host[:4].view(np.float32))
         host = host[4:]
     fallback = _finish_flagged_rows(p, np.flatnonzero(host), out, topk, config, launch)
