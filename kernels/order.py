@@ -34,12 +34,13 @@ instructions than `tl.sort` here.
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels._triton_env import interpreting
 
 if TYPE_CHECKING:
     from kernels.topk import TopkConfig, TopkWorkspace
@@ -306,8 +307,7 @@ def _radix_asm(k2: int, peers: str) -> str:
 def _use_radix(k2: int) -> bool:
     """The radix order runs on the GPU for staging rows of 32-2048 slots; the CPU interpreter
     (no inline PTX) and other widths take the stable torch sort: the same indices."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return 32 <= k2 <= RADIX_MAX_K2 and not interpreting
+    return 32 <= k2 <= RADIX_MAX_K2 and not interpreting()
 
 
 def finish_topk(

@@ -27,11 +27,11 @@ A token holding NaN or +-inf gets a NaN scale; callers check the scales and rais
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels._triton_env import interpreting
 
 FP8_MAX = 448.0
 DEFAULT_EPS = 1e-4
@@ -82,7 +82,7 @@ def _quant_kernel(
 
 
 def _triton_quant_usable(x: torch.Tensor) -> bool:
-    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return x.is_cuda and not interpreting()
 
 
 def quantize_fp8(x: torch.Tensor, eps: float = DEFAULT_EPS) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,13 +51,14 @@ sort and gather 4.6 ms; docs/KERNELS.md has the sweeps and the candidates' predi
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels._triton_env import interpreting
 
 IDX_MAX = 2**31 - 1
 I32_MIN = -(2**31)
@@ -938,8 +939,7 @@ def _use_ballot(config: TopkConfig, aligned: bool) -> bool:
     asm relies on the 4-score runs a lane that 16-byte vector loads give (`ballot_asm`).
     Unaligned rows and Triton's CPU interpreter (no inline PTX) run the prefix sum, which
     gives the same positions."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return config.compact == "ballot" and aligned and not interpreting
+    return config.compact == "ballot" and aligned and not interpreting()
 
 
 def launch_select(

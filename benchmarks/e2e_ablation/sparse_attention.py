@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch.utils.checkpoint import checkpoint
+
+from kernels._triton_env import interpreting
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,6 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 REFERENCE_CHUNK = 1024
 LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -207,7 +204,7 @@ class _TritonSparseMQA(torch.autograd.Function):
         dr = qp.shape[-1]
         out = torch.empty_like(qn)
         lse = torch.empty((s, h), dtype=torch.float32, device=qn.device)
-        f32 = _interpreting()
+        f32 = interpreting()
         if s:
             _sparse_fwd_kernel[(s,)](
                 qn, qp, kc, kp, idx, nvalid, out, lse, scale * LOG2E, s, idx.shape[1],
@@ -232,7 +229,7 @@ class _TritonSparseMQA(torch.autograd.Function):
             _sparse_bwd_kernel[(s,)](
                 qn, qp, kc, kp, idx, nvalid, dout, lse, delta, dqn, dqp, dkc, dkp,
                 ctx.scale, ctx.scale * LOG2E, s, idx.shape[1],
-                H=h, DC=dc, DR=dr, BLOCK=BLOCK_KEYS, F32_DOT=_interpreting(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                H=h, DC=dc, DR=dr, BLOCK=BLOCK_KEYS, F32_DOT=interpreting(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
             )  # fmt: skip
         return dqn, dqp, dkc.to(kc.dtype), dkp.to(kp.dtype), None, None, None
 
