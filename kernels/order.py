@@ -9,14 +9,14 @@ them under the contract (higher score first, ties by lower index):
   (run 2); it also materialises int64 sort indices.
 - "radix" (`_radix_order_kernel`, the fixed config's): one warp a row sorts the row in shared
   memory with a stable LSD radix sort, four passes of 8-bit digits, written in inline PTX
-  (`radix_order_asm`: Triton has no scatter into shared memory, and a warp's ranks need
-  `match.any`), and stores the first topk indices. The stability is the tie rule, as with the
+  (`radix_order_asm`: Triton has no scatter into shared memory, and a lane's rank among the
+  lanes holding its digit needs warp ballots), and stores the first topk indices. The stability is the tie rule, as with the
   torch sort, and nothing but the indices is written: no int64 sort indices, no copies, no
   gather. GPU only, staging rows of 32-2048 slots; the CPU interpreter (no inline PTX) and
   other widths run the torch sort, which gives the same indices. sm_90 (ptxas of Triton 3.9):
   3,504 SASS instructions (1,968 with match.any), 254 registers, 18 KB of shared memory a warp
-  (8 warps an SM). H200, 16K rows of 2048: 0.68 ms with ballots (before the predicated-not
-  form), 0.86 with match.any, 1.15 for the stable torch sort + gather.
+  (8 warps an SM). H200, 16K rows of 2048: 0.43 ms with ballots (0.68 before the ballot test
+  became a predicated not), 0.85 with match.any, 1.12 for the stable torch sort + gather.
 - "bitonic" (`_order_kernel`): one Triton program a row sorts the packed int64
   (key32 << 32 | 2^31-1-index) descending with a bitonic network and writes the low halves
   back as indices. Real entries' packed values are distinct (distinct indices), so the order
@@ -134,9 +134,9 @@ def radix_order_asm(k2: int, peers: str = "ballot") -> str:
     2. for s = 0..k2/32-1 in order: the lanes holding the same digit (8 ballots, one a digit
        bit, or `match.any.sync` with peers="match") rank themselves by lane (popc of the peers
        below), read the bin's running offset, and the highest of them advances it; every
-       entry is stored at offset + rank. Entries therefore keep their order within a digit: the sort is stable,
-       so equal keys stay in index order (the staging rows are in index order), the contract's
-       tie rule;
+       entry is stored at offset + rank. Entries keep their order within a digit: the sort is
+       stable, so equal keys stay in index order (the staging rows are in index order), the
+       contract's tie rule;
     3. every lane reloads its entries in position order.
 
     Then lane L stores the indices of positions s * 32 + L < topk. The keys, indices and bins
