@@ -32,7 +32,11 @@ from kernels.logits import LogitsConfig, _indexer_logits_kernel
 # first H200 run's three slowest (block_k 128 with 8 warps or 2 stages) made way for block_n 64
 # and 2-stage variants of the winner.
 SWEEP_CONFIGS: tuple[LogitsConfig, ...] = (
-    LogitsConfig(128, 64, 4, 3),  # the fixed config (kernels.logits.FIXED_LOGITS_CONFIG)
+    LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168),  # the fixed config (v9)
+    LogitsConfig(128, 64, 4, 4, q_groups=2, pair_max_registers=168),
+    LogitsConfig(128, 64, 4, 2, q_groups=2, pair_max_registers=168),
+    LogitsConfig(64, 64, 4, 3, q_groups=2),  # 1-query blocks in pairs at H=64, 2-query at H=32
+    LogitsConfig(128, 64, 4, 3),  # the fixed config up to v8
     LogitsConfig(128, 64, 4, 2),
     LogitsConfig(128, 64, 4, 4),
     LogitsConfig(64, 64, 4, 3),
@@ -58,9 +62,15 @@ class AutotunedLogits:
         if heads not in self._tuned:
             cfgs = [
                 triton.Config(
-                    {"BLOCK_Q": c.block_n // heads, "BLOCK_K": c.block_k},
+                    {
+                        "BLOCK_Q": c.block_n // heads,
+                        "BLOCK_K": c.block_k,
+                        "GROUPS": c.groups(heads),
+                        "CHAIN": c.head_sum == "chain",
+                    },
                     num_warps=c.num_warps,
                     num_stages=c.num_stages,
+                    maxnreg=c.pair_max_registers if c.groups(heads) == 2 else None,
                 )
                 for c in self.configs
                 if c.block_n >= heads
@@ -91,7 +101,7 @@ class AutotunedLogits:
         if n_rows <= 0:
             return
         kernel = self._kernel(heads)
-        grid = lambda meta: (triton.cdiv(n_rows, meta["BLOCK_Q"]),)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(triton.cdiv(n_rows, meta["BLOCK_Q"]), meta["GROUPS"]),)  # noqa: E731
         kernel[grid](
             q8, wq, k8, k_scale, ks, ke, out, row0, n_rows, k8.shape[0], col0, out.stride(0),
             H=heads, D=q8.shape[1],

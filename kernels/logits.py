@@ -18,9 +18,11 @@ Dtype and layout rules (checked by the launcher, `kernels.fp8_indexer` pads to m
 - row0, n_rows and col0 are not specialised on (`do_not_specialize`), so chunk offsets and row
   counts never trigger a recompile: one binary per (H, D, config) serves every length.
 
-Blocking. One program owns block_q = block_n // H consecutive queries, i.e. block_n (query,
-head) rows held in shared memory as the MMA's B operand, and streams key tiles of block_k rows
-over [min ks, max ke) of its queries; tiles wholly outside that union are never visited. The
+Blocking. A query block is block_q = block_n // H consecutive queries, i.e. block_n (query,
+head) rows held in shared memory as the MMA's B operand. A program owns one block, or two when
+blocks hold at most two queries (`LogitsConfig.q_groups`: both blocks run over each key tile,
+which is loaded once), and streams key tiles of block_k rows over [min ks, max ke) of its
+queries; tiles wholly outside that union are never visited. The
 product is computed as keys x (query, head) — acc[block_k, block_n] = k8_tile @ q8_block^T — so
 that the sum over heads runs along the accumulator's columns, which in the wgmma register
 layout sits inside a thread and a quad of lanes (in-register adds and two shuffles), not across
@@ -32,9 +34,10 @@ half the MMA time at the datasheet rate, so it must overlap with the MMA of othe
 the SM: several programs resident per SM is what the serial schedule relies on (it issues a
 tile's wgmma and waits). The pipelined schedule issues the next tile's wgmma first and runs
 the current tile's epilogue while it computes (`LogitsConfig.schedule`; two accumulators,
-two programs an SM). On the H200 the serial kernel reaches 890-990 TFLOP/s, which is close to
-MMA time + epilogue issue time added up (~255 instructions a tile a warp against ~256-340
-cycles of MMA), as if the four programs hardly overlapped.
+two programs an SM). On the H200 the one-block serial kernel reaches 890-990 TFLOP/s under
+sustained load, where the card sits at its 700 W power cap; 10% fewer loop instructions (the
+fma-chain head sum) did not make it faster, while halving the K-tile reads from L2 (two blocks
+a program at H = 64) made it 2-5% faster from 16K keys on (v9 in docs/KERNELS.md).
 
 The fixed config and the sweep it came from are in docs/KERNELS.md.
 """
@@ -61,6 +64,22 @@ class LogitsConfig:
     `key_mask`: "auto" drops the key-bound mask of the K-tile loads when the padded key count
     is a multiple of block_k (always, through `kernels.fp8_indexer`: keys are padded to 128);
     "always" keeps it (the kernel of the first two H200 runs). Both give identical scores.
+    `q_groups`: 2 pairs up query blocks of at most two queries (H >= 64 at block_n 128): a
+    program owns two blocks, which share each key tile (loaded once into shared memory; two
+    wgmma chains one after the other, each with its epilogue): half the K-tile traffic from L2
+    a flop, at 168 registers (`pair_max_registers=168`; ptxas takes 200 uncapped), so 3
+    programs an SM. Blocks of 4 or more queries (H <= 32) stay one a program: a second one
+    needs 216 registers, spills under the cap, and lost at every H = 32 shape (v9 in
+    docs/KERNELS.md). `groups(heads)` is the count that runs. Serial schedule only; same
+    per-score arithmetic: identical scores.
+    `head_sum`: "tree" is Triton's pairwise in-thread sum of relu(product) x weight over a
+    thread's heads (an fmul, an ffma and an fadd a pair); "chain" is one chain of fmas (16 at
+    H = 64, then 2 shuffles): 240 instead of 268 sm_90 instructions a tile a warp, yet no
+    faster on the H200 at H = 64 and slower at H = 32, where it needs 134 registers (v9 in
+    docs/KERNELS.md). The two round differently: scores differ in the last bits.
+    `pair_max_registers`: ptxas register cap (`maxnreg`) of the two-block programs; one-block
+    programs are never capped (under a 168 cap ptxas gives the H = 32 kernel 139 registers
+    instead of 128: 3 programs an SM instead of 4, 11% slower). None leaves ptxas its choice.
     """
 
     block_n: int = 128
@@ -69,6 +88,9 @@ class LogitsConfig:
     num_stages: int = 3
     schedule: Literal["serial", "pipelined"] = "serial"
     key_mask: Literal["auto", "always"] = "auto"
+    q_groups: int = 1
+    head_sum: Literal["tree", "chain"] = "tree"
+    pair_max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -85,12 +107,27 @@ class LogitsConfig:
             )
         if self.key_mask not in ("auto", "always"):
             raise ValueError(f"LogitsConfig.key_mask={self.key_mask!r}: must be 'auto' or 'always'")
+        if self.head_sum not in ("tree", "chain"):
+            raise ValueError(f"LogitsConfig.head_sum={self.head_sum!r}: must be 'tree' or 'chain'")
+        regs = self.pair_max_registers
+        if regs is not None and not 24 <= regs <= 255:
+            raise ValueError(f"LogitsConfig.pair_max_registers={regs}: must be 24-255")
+        if regs is not None and self.q_groups != 2:
+            raise ValueError("LogitsConfig.pair_max_registers needs q_groups=2")
+        if self.q_groups not in (1, 2):
+            raise ValueError(f"LogitsConfig.q_groups={self.q_groups}: must be 1 or 2")
+        if self.q_groups != 1 and self.schedule != "serial":
+            raise ValueError("LogitsConfig.q_groups=2 needs schedule='serial'")
 
     def block_q(self, heads: int) -> int:
-        """Queries per program for `heads` (padded, power-of-two) heads."""
+        """Queries per query block (q_groups blocks a program) for `heads` (padded) heads."""
         if heads > self.block_n:
             raise ValueError(f"heads={heads} exceeds LogitsConfig.block_n={self.block_n}")
         return self.block_n // heads
+
+    def groups(self, heads: int) -> int:
+        """Query blocks a program for `heads` heads: q_groups if a block holds <= 2 queries."""
+        return self.q_groups if self.block_q(heads) <= 2 else 1
 
     @property
     def label(self) -> str:
@@ -100,13 +137,22 @@ class LogitsConfig:
             tag += "/pipe"
         if self.key_mask == "always":
             tag += "/mask"
+        if self.q_groups != 1:
+            tag += f"/g{self.q_groups}"
+        if self.head_sum == "chain":
+            tag += "/chain"
+        if self.pair_max_registers is not None:
+            tag += f"/r{self.pair_max_registers}"
         return tag
 
 
-# Chosen by the H200 sweep recorded in docs/KERNELS.md (fixed for every length and both H):
-# 128 (query, head) columns x 64 keys, one warpgroup, 3 stages; 128 registers, 41 KB of shared
-# memory, so 4 programs share an SM and one's epilogue overlaps another's MMA.
-FIXED_LOGITS_CONFIG = LogitsConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)
+# Chosen by the H200 sweeps recorded in docs/KERNELS.md (fixed for every row length): 128
+# (query, head) columns x 64 keys, one warpgroup, 3 stages. At H = 64 two 2-query blocks share
+# each key tile (q_groups, v9): 168 registers, 57 KB of shared memory, 3 programs an SM. At
+# H = 32 one 4-query block a program: 128 registers, 41 KB, 4 programs an SM.
+FIXED_LOGITS_CONFIG = LogitsConfig(
+    block_n=128, block_k=64, num_warps=4, num_stages=3, q_groups=2, pair_max_registers=168
+)
 
 
 @triton.jit
@@ -121,41 +167,77 @@ def _key_tile(k_ptr, offs, d, S_k, D: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _tile_epilogue(
-    acc,
-    wq,
-    kscale_ptr,
-    offs,
-    ks,
-    ke,
-    out_rows,
-    S_k,
-    BLOCK_K: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    H: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """relu, head weights, head sum, key scale; store the [BLOCK_K, BLOCK_Q] scores in range."""
-    acc = tl.maximum(acc, 0.0) * wq[None, :]
-    score = tl.sum(tl.reshape(acc, (BLOCK_K, BLOCK_Q, H)), axis=2)  # [BLOCK_K, BLOCK_Q]
+def _head_chain(x, w, s, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, NI: tl.constexpr,
+                FIRST: tl.constexpr):  # fmt: skip
+    """s + sum of relu(x) * w over the NI axis of x [BLOCK_K, BLOCK_Q, NI, 4], one fma a value.
+
+    Halves NI on its lowest bit (a register bit of the wgmma accumulator: no data moves) until
+    one value a thread is left, then chains fma(relu(x), w, s)."""
+    if NI == 1:
+        xv = tl.maximum(tl.reshape(x, (BLOCK_K, BLOCK_Q, 4)), 0.0)
+        wv = tl.reshape(w, (1, BLOCK_Q, 4))
+        if FIRST:
+            s = xv * wv
+        else:
+            s = tl.fma(xv, wv, s)
+    else:
+        # i = 2 a + b: put b last and split on it
+        xa, xb = tl.split(
+            tl.permute(tl.reshape(x, (BLOCK_K, BLOCK_Q, NI // 2, 2, 4)), 0, 1, 2, 4, 3)
+        )
+        wa, wb = tl.split(tl.permute(tl.reshape(w, (1, BLOCK_Q, NI // 2, 2, 4)), 0, 1, 2, 4, 3))
+        s = _head_chain(xa, wa, s, BLOCK_K, BLOCK_Q, NI // 2, FIRST)
+        s = _head_chain(xb, wb, s, BLOCK_K, BLOCK_Q, NI // 2, False)
+    return s
+
+
+@triton.jit
+def _head_sum(acc, wq, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, H: tl.constexpr,
+              CHAIN: tl.constexpr):  # fmt: skip
+    """[BLOCK_K, BLOCK_Q] = sum over heads of relu(acc) * wq (acc columns are (query, head))."""
+    if CHAIN and H >= 8:
+        # head h = 8 i + 2 t + j: i and j index a thread's registers, t its lane in a quad
+        x0, x1 = tl.split(tl.reshape(acc, (BLOCK_K, BLOCK_Q, H // 8, 4, 2)))
+        w0, w1 = tl.split(tl.reshape(wq, (1, BLOCK_Q, H // 8, 4, 2)))
+        s = _head_chain(x0, w0, 0.0, BLOCK_K, BLOCK_Q, H // 8, True)
+        s = _head_chain(x1, w1, s, BLOCK_K, BLOCK_Q, H // 8, False)
+        score = tl.sum(s, axis=2)
+    else:
+        acc = tl.maximum(acc, 0.0) * wq[None, :]
+        score = tl.sum(tl.reshape(acc, (BLOCK_K, BLOCK_Q, H)), axis=2)
+    return score
+
+
+@triton.jit
+def _key_scales(kscale_ptr, offs, S_k, EVEN_K: tl.constexpr):
+    """k_scale of the key tile `offs` [BLOCK_K] fp32."""
     if EVEN_K:
         ksc = tl.load(kscale_ptr + offs)
     else:
         ksc = tl.load(kscale_ptr + offs, mask=offs < S_k, other=0.0)
-    score = score * ksc[:, None]
+    return ksc
+
+
+@triton.jit
+def _tile_epilogue(
+    acc, wq, ksc, offs, ks, ke, out_rows,
+    BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, H: tl.constexpr, CHAIN: tl.constexpr,
+):  # fmt: skip
+    """relu, head weights, head sum, key scale; store the [BLOCK_K, BLOCK_Q] scores in range."""
+    score = _head_sum(acc, wq, BLOCK_K, BLOCK_Q, H, CHAIN) * ksc[:, None]  # [BLOCK_K, BLOCK_Q]
     valid = (offs[:, None] >= ks[None, :]) & (offs[:, None] < ke[None, :])
     tl.store(out_rows[None, :] + offs[:, None], score, mask=valid)
 
 
 @triton.jit
 def _query_block(
-    q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
+    q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk,
     H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):  # fmt: skip
-    """This program's queries: their ranges, union [lo, hi), q^T [D, BLOCK_N], wq, output rows."""
+    """Query block `blk`: the ranges, their union [lo, hi), q^T [D, BLOCK_N], wq, output rows.
+
+    A block past the last row has no rows: lo = int32 max, hi = 0, zero q and wq."""
     BLOCK_N: tl.constexpr = BLOCK_Q * H
-    n_blocks = tl.cdiv(n_rows, BLOCK_Q)
-    blk = n_blocks - 1 - tl.program_id(0)  # heaviest (latest) query blocks first
     rows = blk * BLOCK_Q + tl.arange(0, BLOCK_Q)  # chunk-local query rows
     row_ok = rows < n_rows
     ks = tl.load(ks_ptr + row0 + rows, mask=row_ok, other=2147483647)
@@ -192,6 +274,8 @@ def _indexer_logits_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PIPELINED: tl.constexpr = False,
+    GROUPS: tl.constexpr = 1,
+    CHAIN: tl.constexpr = False,
 ):
     """Scores of this program's queries over the key tiles of [lo, hi).
 
@@ -203,32 +287,50 @@ def _indexer_logits_kernel(
     one program (sm_90 SASS of Triton 3.6: QGMMA, 148 epilogue instructions, then
     WARPGROUP.DEPBAR). Costs: a second accumulator (198 registers, 2 programs an SM) and 64
     register moves a tile. Both schedules run the same per-score arithmetic: identical scores.
+    GROUPS = 2 (serial only): the program owns query blocks 2b and 2b + 1 and runs both over
+    each key tile, which is loaded once.
     """
+    n_groups = tl.cdiv(tl.cdiv(n_rows, BLOCK_Q), GROUPS)
+    blk = (n_groups - 1 - tl.program_id(0)) * GROUPS  # heaviest (latest) query blocks first
     ks, ke, lo, hi, q_t, wq, out_rows, d = _query_block(
-        q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, H, D, BLOCK_Q
-    )
+        q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk,
+        H, D, BLOCK_Q,
+    )  # fmt: skip
+    if GROUPS == 2:
+        ks2, ke2, lo2, hi2, q2_t, wq2, out_rows2, d = _query_block(
+            q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk + 1,
+            H, D, BLOCK_Q,
+        )  # fmt: skip
+        lo = tl.minimum(lo, lo2)
+        hi = tl.maximum(hi, hi2)
     start = (lo // BLOCK_K) * BLOCK_K
-    if not PIPELINED:
+    if GROUPS == 2:
+        for s0 in range(start, hi, BLOCK_K):
+            offs = s0 + tl.arange(0, BLOCK_K)
+            kt = _key_tile(k_ptr, offs, d, S_k, D, EVEN_K)
+            ksc = _key_scales(kscale_ptr, offs, S_k, EVEN_K)
+            acc = tl.dot(kt, q_t)
+            _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN)
+            acc = tl.dot(kt, q2_t)
+            _tile_epilogue(acc, wq2, ksc, offs, ks2, ke2, out_rows2, BLOCK_K, BLOCK_Q, H, CHAIN)
+    elif not PIPELINED:
         for s0 in range(start, hi, BLOCK_K):
             offs = s0 + tl.arange(0, BLOCK_K)
             acc = tl.dot(_key_tile(k_ptr, offs, d, S_k, D, EVEN_K), q_t)  # [BLOCK_K, BLOCK_N] fp32
-            _tile_epilogue(
-                acc, wq, kscale_ptr, offs, ks, ke, out_rows, S_k, BLOCK_K, BLOCK_Q, H, EVEN_K
-            )
+            ksc = _key_scales(kscale_ptr, offs, S_k, EVEN_K)
+            _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN)
     elif lo < hi:
         offs = start + tl.arange(0, BLOCK_K)
         acc = tl.dot(_key_tile(k_ptr, offs, d, S_k, D, EVEN_K), q_t)
         for s0 in range(start + BLOCK_K, hi, BLOCK_K):
             offs_next = s0 + tl.arange(0, BLOCK_K)
             acc_next = tl.dot(_key_tile(k_ptr, offs_next, d, S_k, D, EVEN_K), q_t)
-            _tile_epilogue(
-                acc, wq, kscale_ptr, offs, ks, ke, out_rows, S_k, BLOCK_K, BLOCK_Q, H, EVEN_K
-            )
+            ksc = _key_scales(kscale_ptr, offs, S_k, EVEN_K)
+            _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN)
             acc = acc_next
             offs = offs_next
-        _tile_epilogue(
-            acc, wq, kscale_ptr, offs, ks, ke, out_rows, S_k, BLOCK_K, BLOCK_Q, H, EVEN_K
-        )
+        ksc = _key_scales(kscale_ptr, offs, S_k, EVEN_K)
+        _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN)
 
 
 def launch_logits(
@@ -245,19 +347,24 @@ def launch_logits(
     n_rows: int,
     col0: int,
     config: LogitsConfig = FIXED_LOGITS_CONFIG,
-) -> None:
+):
     """Write scores of queries [row0, row0 + n_rows) into out[0:n_rows, s - col0] (in-range only).
 
     `q8` is [S_q * heads, D] fp8, `k8` [S_kp, D] fp8; see the module docstring for the rules.
+    Returns Triton's handle of the launched kernel (None when there are no rows), whose
+    `n_regs` / `n_spills` the benchmarks report.
     """
     d = q8.shape[1]
     block_q = config.block_q(heads)
     if n_rows <= 0:
-        return
+        return None
     s_k = k8.shape[0]
     even_k = config.key_mask == "auto" and s_k % config.block_k == 0
-    grid = (triton.cdiv(n_rows, block_q),)
-    _indexer_logits_kernel[grid](
+    groups = config.groups(heads)
+    grid = (triton.cdiv(triton.cdiv(n_rows, block_q), groups),)
+    regs = config.pair_max_registers if groups == 2 else None
+    extra = {} if regs is None else {"maxnreg": regs}
+    return _indexer_logits_kernel[grid](
         q8,
         wq,
         k8,
@@ -276,6 +383,9 @@ def launch_logits(
         BLOCK_K=config.block_k,
         EVEN_K=even_k,
         PIPELINED=config.schedule == "pipelined",
+        GROUPS=groups,
+        CHAIN=config.head_sum == "chain",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **extra,
     )

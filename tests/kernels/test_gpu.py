@@ -72,9 +72,10 @@ def test_triton_quantizer_equals_torch_bitwise() -> None:
     assert a8[9, :3].float().tolist() == [128.0, 128.0, 48.0]
 
 
-def test_logits_4k_packed_row_match_reference() -> None:
+@pytest.mark.parametrize("heads", [64, 32])  # two 2-query blocks a program; one 4-query block
+def test_logits_4k_packed_row_match_reference(heads: int) -> None:
     ks, ke = packed_ranges(DOCS)
-    q, k, w = random_inputs(4096, 64, 128, seed=1, device="cuda")
+    q, k, w = random_inputs(4096, heads, 128, seed=1, device="cuda")
     ks, ke = ks.cuda(), ke.cuda()
     got = fp8_indexer_logits(q, k, w, ks, ke)
     ref = _reference_on_gpu(q, k, w, ks, ke)
@@ -204,16 +205,21 @@ def test_topk_variants_equal_the_exact_torch_path(causal: bool, name: str) -> No
     assert stats["fallback_rows"] == 0
 
 
-def test_pipelined_and_unmasked_logits_equal_the_serial_kernel() -> None:
+def test_logits_variants_equal_the_masked_serial_kernel() -> None:
     ks, ke = packed_ranges(DOCS)
     q, k, w = random_inputs(4096, 64, 128, seed=8, device="cuda")
     ks, ke = ks.cuda(), ke.cuda()
-    base = fp8_indexer_logits(
-        q, k, w, ks, ke, config=IndexerConfig(logits=LogitsConfig(key_mask="always"))
-    )
-    for cfg in (LogitsConfig(), LogitsConfig(schedule="pipelined")):
-        got = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=cfg))
-        assert torch.equal(got.view(torch.int32), base.view(torch.int32)), cfg.label
+    for head_sum in ("chain", "tree"):
+        masked = LogitsConfig(key_mask="always", head_sum=head_sum)
+        base = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=masked))
+        for cfg in (
+            LogitsConfig(head_sum=head_sum),
+            LogitsConfig(schedule="pipelined", head_sum=head_sum),
+            LogitsConfig(q_groups=2, head_sum=head_sum),  # H=64: two 2-query blocks a program
+            LogitsConfig(q_groups=2, pair_max_registers=168, head_sum=head_sum),  # the fixed config
+        ):
+            got = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=cfg))
+            assert torch.equal(got.view(torch.int32), base.view(torch.int32)), cfg.label
 
 
 @triton.jit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,14 @@ from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 @pytest.mark.parametrize(
     ("h", "d", "docs"),
-    [(8, 128, [70, 3, 90, 29]), (4, 32, [45, 1, 100, 50]), (8, 64, [197]), (6, 48, [60, 41, 20])],
+    [
+        (8, 128, [70, 3, 90, 29]),
+        (4, 32, [45, 1, 100, 50]),
+        (8, 64, [197]),
+        (6, 48, [60, 41, 20]),
+        (32, 64, [70, 3, 51]),  # H >= 16: the head-sum chain splits 2 (H=32) or 3 (H=64) times
+        (64, 32, [45, 20]),
+    ],
 )
 def test_logits_match_reference(h: int, d: int, docs: list[int], device: str) -> None:
     ks, ke = packed_ranges(docs, pad=5)  # 5 padding queries with empty ranges
@@ -84,24 +93,79 @@ def _run(p, config: LogitsConfig, keys: int) -> torch.Tensor:
         (LogitsConfig(key_mask="always"), 256),  # the masked kernel of the first H200 runs
         (LogitsConfig(schedule="pipelined"), 197),  # 197 keys: the last tile is masked
         (LogitsConfig(64, 128, 4, 3, schedule="pipelined"), 256),  # 8 queries a program
+        # H=8: query blocks of 2 at block_n 16, so two blocks a program share each key tile
+        (LogitsConfig(16, 64, 4, 3, q_groups=2), 256),
+        (LogitsConfig(16, 64, 4, 3, q_groups=2, pair_max_registers=168), 197),  # masked tile, cap
+        (LogitsConfig(16, 128, 4, 3, q_groups=2), 256),
+        (LogitsConfig(head_sum="chain", key_mask="always"), 256),  # the fma-chain head sum
+        (LogitsConfig(head_sum="chain", schedule="pipelined"), 197),
+        (LogitsConfig(16, 64, 4, 3, q_groups=2, head_sum="chain"), 256),
     ],
-    ids=["pipelined", "serial-masked", "pipelined-197-keys", "pipelined-n64-k128"],
+    ids=[
+        "pipelined",
+        "serial-masked",
+        "pipelined-197-keys",
+        "pipelined-n64-k128",
+        "g2",
+        "g2-197-keys-r168",
+        "g2-k128",
+        "chain-masked",
+        "chain-pipelined-197-keys",
+        "chain-g2",
+    ],
 )
 def test_schedules_and_key_masks_give_identical_scores(
     prepared_row: tuple, config: LogitsConfig, keys: int
 ) -> None:
-    # The schedule and the key mask do not change the per-score arithmetic: bitwise equal to
-    # the fixed config at the same block sizes (other block sizes may sum in another order),
-    # and within the fp32 tolerance of the reference.
+    # The schedule, the key mask, shared key tiles and register caps do not change the
+    # per-score arithmetic: bitwise equal to the plain serial kernel with the same block sizes
+    # and head sum, and within the fp32 tolerance of the reference. The row has 197 queries:
+    # 99 blocks of 2 at block_n 16, so q_groups=2 also runs a program whose second block is
+    # past the last row.
     p, ref = prepared_row
     assert p.k8.shape[0] == 256  # keys padded to a multiple of KEY_PAD = 128
     got = _run(p, config, keys)
-    if (config.block_n, config.block_k) == (128, 64):
-        base = _run(p, LogitsConfig(), 256)
-        assert torch.equal(got.view(torch.int32), base.view(torch.int32))
+    plain = dataclasses.replace(
+        config, schedule="serial", key_mask="auto", q_groups=1, pair_max_registers=None
+    )
+    assert plain != config
+    base = _run(p, plain, 256)
+    assert torch.equal(got.view(torch.int32), base.view(torch.int32))
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
     assert ((got[fin] - ref[fin]).norm() / ref[fin].norm()).item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "config",
+    [LogitsConfig(), LogitsConfig(16, 64, 4, 3, q_groups=2)],
+    ids=["g1", "g2"],
+)
+def test_row_windows_equal_the_whole_matrix(prepared_row: tuple, config: LogitsConfig) -> None:
+    # Chunks launch with row0 / n_rows / col0 offsets (odd row counts, 16-aligned key windows):
+    # each window's scores are bitwise the whole launch's.
+    p, _ = prepared_row
+    whole = _run(p, config, 256)
+    for r0, r1 in ((0, 37), (37, 120), (120, 197)):
+        lo = int(p.ks[r0:r1].min()) // 16 * 16
+        part = torch.full((r1 - r0, 256 - lo), float("-inf"))
+        launch_logits(
+            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, part,
+            heads=p.heads, row0=r0, n_rows=r1 - r0, col0=lo, config=config,
+        )  # fmt: skip
+        want = whole[r0:r1, lo:]
+        assert torch.equal(part[:, : want.shape[1]].view(torch.int32), want.view(torch.int32))
+
+
+def test_chain_and_tree_head_sums_both_match_the_reference(prepared_row: tuple) -> None:
+    # The two head sums round differently (so one is not a copy of the other) and both stay
+    # within the fp32 tolerance.
+    p, ref = prepared_row
+    chain, tree = _run(p, LogitsConfig(head_sum="chain"), 256), _run(p, LogitsConfig(), 256)
+    fin = torch.isfinite(ref)
+    assert not torch.equal(chain.view(torch.int32), tree.view(torch.int32))
+    for got in (chain, tree):
+        assert ((got[fin] - ref[fin]).norm() / ref[fin].norm()).item() <= 1e-5
 
 
 def test_logits_config_rejects_bad_values() -> None:
@@ -109,4 +173,20 @@ def test_logits_config_rejects_bad_values() -> None:
         LogitsConfig(schedule="async")
     with pytest.raises(ValueError, match=r"LogitsConfig\.key_mask"):
         LogitsConfig(key_mask="never")
+    with pytest.raises(ValueError, match=r"LogitsConfig\.head_sum"):
+        LogitsConfig(head_sum="sorted")
+    with pytest.raises(ValueError, match=r"LogitsConfig\.q_groups"):
+        LogitsConfig(q_groups=3)
+    with pytest.raises(ValueError, match=r"q_groups=2 needs schedule='serial'"):
+        LogitsConfig(q_groups=2, schedule="pipelined")
+    with pytest.raises(ValueError, match=r"LogitsConfig\.pair_max_registers=300"):
+        LogitsConfig(q_groups=2, pair_max_registers=300)
+    with pytest.raises(ValueError, match=r"pair_max_registers needs q_groups=2"):
+        LogitsConfig(pair_max_registers=168)
+    assert LogitsConfig(q_groups=2, head_sum="chain", pair_max_registers=168).label == (
+        "n128/k64/w4/s3/g2/chain/r168"
+    )
+    # q_groups pairs up blocks of at most 2 queries (H >= 64 at block_n 128) only
+    assert [LogitsConfig(q_groups=2).groups(h) for h in (128, 64, 32, 8)] == [2, 2, 1, 1]
+    assert LogitsConfig(16, q_groups=2).groups(8) == 2
     assert LogitsConfig(schedule="pipelined", key_mask="always").label == "n128/k64/w4/s3/pipe/mask"
