@@ -169,13 +169,20 @@ def _warm_one(job: tuple) -> tuple[str, float]:
     ks, ke = row_ranges(256, packed=False)
     q, k, w = random_row(256, h, seed=0)
     ks, ke = ks.cuda(), ke.cuda()
+    regs = ""
     if kind == "logits":
         p = prepare_inputs(q, k, w, ks, ke)
-        logits_runner(p, cfg)()
+        out = torch.empty((256, p.k8.shape[0]), dtype=torch.float32, device=q.device)
+        kern = launch_logits(
+            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
+            heads=p.heads, row0=0, n_rows=256, col0=0, config=cfg,
+        )  # fmt: skip
+        regs = f" (registers {kern.n_regs}, spills {kern.n_spills})"
     else:
         fp8_indexer_topk(q, k, w, ks, ke, TOPK, config=dataclasses.replace(FIXED_CONFIG, topk=cfg))
     torch.cuda.synchronize()
-    return f"{kind} H={h} {cfg}", time.perf_counter() - t0
+    name = cfg.label if kind == "logits" else str(cfg)
+    return f"{kind} H={h} {name}{regs}", time.perf_counter() - t0
 
 
 def warm_compile(workers: int) -> list[tuple[str, float]]:

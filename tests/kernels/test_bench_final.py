@@ -19,7 +19,7 @@ from benchmarks.indexer_final import (
     summarize,
     verdicts,
 )
-from kernels import FIXED_LOGITS_CONFIG, FIXED_TOPK_CONFIG
+from kernels import FIXED_CONFIG, FIXED_LOGITS_CONFIG, FIXED_TOPK_CONFIG
 
 FIXED = FIXED_LOGITS_CONFIG.label
 PIPE = "n128/k64/w4/s3/pipe"
@@ -72,9 +72,9 @@ def test_markdown_and_append_results_round_trip(tmp_path: Path, monkeypatch) -> 
     }  # fmt: skip
     md = final_markdown(result)
     assert "| n128/k64/w4/s3/pipe | warp | priority | 6 | 44.20 |" in md
-    assert "| n128/k64/w4/s3 | fixed | none | - | 59.00 |" in md  # a row from before overlap
+    assert f"| {FIXED} | fixed | none | - | 59.00 |" in md  # a row from before overlap
     assert "Skipped for time: H=32 S=16K packed x6." in md
-    assert "bitwise equal to run 2's kernel (4K packed, H=64): True" in md
+    assert "masked serial kernel with the same head sum (4K packed, H=64): True" in md
     saved = tmp_path / "indexer_final.json"
     saved.write_text(
         json.dumps(
@@ -97,11 +97,9 @@ def test_e2e_combos_cover_every_candidate_once() -> None:
     assert {tn for _, tn, _ in combos} == set(TOPK_CANDIDATES)
     assert combos[0] == (FIXED_LOGITS_CONFIG, FIXED_TOPK_NAME, "none")
     assert TOPK_CANDIDATES[FIXED_TOPK_NAME] == FIXED_TOPK_CONFIG
-    assert {ov for _, _, ov in combos} == {"none", "priority"}
-    # every top-k candidate runs with the fixed logits config on one stream
-    assert {tn for lc, tn, ov in combos if lc == FIXED_LOGITS_CONFIG and ov == "none"} == set(
-        TOPK_CANDIDATES
-    )
+    assert {ov for _, _, ov in combos} == {FIXED_CONFIG.overlap}
+    # every top-k candidate runs with the fixed logits config
+    assert {tn for lc, tn, _ in combos if lc == FIXED_LOGITS_CONFIG} == set(TOPK_CANDIDATES)
 
 
 def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> None:
