@@ -13,6 +13,10 @@ regimes while `nvidia-smi` samples the SM clock, the power draw and the active c
 2. sustained: back to back for ~10 s (the sweep's regime), the median of the last 5 s;
 3. interleaved: each logits call followed by the top-k of its chunks (the end-to-end regime).
 
+Since v9 it runs the three regimes for the fixed config (two query blocks a program share each
+key tile at H = 64) and then for v8's one-block kernel, and reports the energy a flop of each
+(board power x time / counted flops).
+
 Writes logits_clock_probe.json and .md under --out; `--append-results FILE` appends the
 markdown to benchmarks/RESULTS.md here afterwards.
 """
@@ -38,12 +42,15 @@ from benchmarks._results import (
     probe_main,
 )
 from benchmarks.bench_indexer import TOPK, D, logits_runner, random_row, row_ranges
-from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
-from kernels.logits import FIXED_LOGITS_CONFIG
+from kernels.fp8_indexer import FIXED_CONFIG, IndexerConfig, indexer_topk_prepared, prepare_inputs
+from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
 
 TITLE = "fp8 indexer (issue 5): logits rate against clock and power"
 S, H = 65536, 64
 FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+# The fixed config (since v9: two 2-query blocks a program share each key tile at H = 64) and
+# v8's one-block kernel, each through all three regimes: the energy a flop of each
+CONFIGS: tuple[LogitsConfig, ...] = (FIXED_LOGITS_CONFIG, LogitsConfig(128, 64, 4, 3))
 
 
 class Sampler:
@@ -101,19 +108,14 @@ def timed(fn) -> float:
     return a.elapsed_time(b)
 
 
-def probe(out: Path | None) -> dict:
-    ks, ke = row_ranges(S, packed=False)
-    pairs = int((ke - ks).clamp_min(0).sum())
-    flops = 2 * H * D * pairs
-    q, k, w = random_row(S, H, seed=1)
-    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
-    run = logits_runner(p, FIXED_LOGITS_CONFIG)
+def _regimes(p, cfg: LogitsConfig) -> list[tuple[str, list[tuple[float, float, float]]]]:
+    """(regime, [(logits ms, start, end)]) of the three regimes for one logits config."""
+    run = logits_runner(p, cfg)
+    icfg = IndexerConfig(logits=cfg, topk=FIXED_CONFIG.topk, overlap=FIXED_CONFIG.overlap)
     run()
-    indexer_topk_prepared(p, TOPK, FIXED_CONFIG)
+    indexer_topk_prepared(p, TOPK, icfg)
     torch.cuda.synchronize()
-    sampler = Sampler()
     regimes = []
-
     time.sleep(2.0)
     cold = []
     for _ in range(5):
@@ -138,7 +140,7 @@ def probe(out: Path | None) -> dict:
     while time.time() - t_start < 10.0:
         stats = {"timing": True}
         t0 = time.time()
-        indexer_topk_prepared(p, TOPK, FIXED_CONFIG, stats=stats)
+        indexer_topk_prepared(p, TOPK, icfg, stats=stats)
         inter.append((stats["logits_ms"], t0, time.time()))
     regimes.append(
         (
@@ -146,6 +148,17 @@ def probe(out: Path | None) -> dict:
             [x for x in inter if x[1] >= t_start + 5],
         )
     )
+    return regimes
+
+
+def probe(out: Path | None) -> dict:
+    ks, ke = row_ranges(S, packed=False)
+    pairs = int((ke - ks).clamp_min(0).sum())
+    flops = 2 * H * D * pairs
+    q, k, w = random_row(S, H, seed=1)
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    sampler = Sampler()
+    measured = [(cfg, _regimes(p, cfg)) for cfg in CONFIGS]
     samples = sampler.stop()
 
     res: dict = {
@@ -155,13 +168,19 @@ def probe(out: Path | None) -> dict:
         "regimes": [],
         "samples": samples,
     }
-    for name, xs in regimes:
-        ms = statistics.median(x[0] for x in xs)
-        clk = window(samples, [(x[1], x[2]) for x in xs])
-        res["regimes"].append(
-            {"regime": name, "calls": len(xs), "logits_ms": ms, "tflops": flops / (ms * 1e9)} | clk
-        )
-        print(json.dumps(res["regimes"][-1]), flush=True)
+    for cfg, regimes in measured:
+        for name, xs in regimes:
+            ms = statistics.median(x[0] for x in xs)
+            clk = window(samples, [(x[1], x[2]) for x in xs])
+            # joules a PFLOP: the board's power over the call's time, per 1e15 counted flops;
+            # not for the cold calls, whose 100 ms samples mostly see the idle card around them
+            cold = name.startswith("cold")
+            energy = float("nan") if cold else clk["power_w"] * ms * 1e-3 / (flops * 1e-15)
+            res["regimes"].append(
+                {"config": cfg.label, "regime": name, "calls": len(xs), "logits_ms": ms,
+                 "tflops": flops / (ms * 1e9), "j_per_pflop": energy} | clk
+            )  # fmt: skip
+            print(json.dumps(res["regimes"][-1]), flush=True)
     res["markdown"] = markdown(res)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -171,27 +190,34 @@ def probe(out: Path | None) -> dict:
     return res
 
 
+def _num(x: float) -> str:
+    return "-" if x != x else f"{x:.0f}"  # NaN: not measured
+
+
 def markdown(res: dict) -> str:
     head = [
+        "logits config",
         "regime",
         "calls",
         "logits ms (median)",
         "TFLOP/s",
         "SM MHz (median)",
         "power W (median)",
+        "J / PFLOP",
         "max temp C",
         "clock-event reasons seen",
     ]
     body = [
-        [r["regime"], r["calls"], f"{r['logits_ms']:.2f}", f"{r['tflops']:.0f}", f"{r['sm_mhz']:.0f}",
-         f"{r['power_w']:.0f}", r.get("temp_c", "-"), r["reasons"]]
+        [r.get("config", "-"), r["regime"], r["calls"],
+         f"{r['logits_ms']:.2f}", f"{r['tflops']:.0f}", f"{r['sm_mhz']:.0f}",
+         f"{r['power_w']:.0f}", _num(r.get("j_per_pflop", float("nan"))),
+         r.get("temp_c", "-"), r["reasons"]]
         for r in res["regimes"]
     ]  # fmt: skip
     return (
-        f"Measured {res['date']}. Fixed logits config {FIXED_LOGITS_CONFIG.label}, S = {S // 1024}K, "
-        f"H = {H}, causal (all chunks of one call); nvidia-smi sampled every 100 ms.\n\n"
-        + markdown_table(head, body)
-        + "\n"
+        f"Measured {res['date']}. Logits at S = {S // 1024}K, H = {H}, causal (all chunks of one "
+        "call); nvidia-smi sampled every 100 ms; J / PFLOP = median board power x the call's "
+        "time / its counted flops.\n\n" + markdown_table(head, body) + "\n"
     )
 
 

@@ -141,6 +141,25 @@ def test_probe_results_append_and_bad_files_are_refused(
         probe.main()
 
 
+def test_clock_probe_table_names_configs_and_leaves_out_cold_energy() -> None:
+    from benchmarks.logits_clock_probe import markdown
+
+    row = {"calls": 5, "logits_ms": 36.2, "tflops": 971.0, "sm_mhz": 1755.0, "power_w": 691.0,
+           "temp_c": 62.0, "reasons": "0x4"}  # fmt: skip
+    res = {
+        "date": "2026-12-03 15:14 UTC",
+        "regimes": [
+            row | {"config": "a", "regime": "cold (one call)", "j_per_pflop": float("nan")},
+            row | {"config": "b", "regime": "sustained", "j_per_pflop": 712.4},
+            row | {"regime": "sustained"},  # a saved row from before v9: no config, no energy
+        ],
+    }
+    lines = markdown(res).splitlines()
+    assert "| a | cold (one call) | 5 | 36.20 | 971 | 1755 | 691 | - |" in lines[4]
+    assert "| b | sustained | 5 | 36.20 | 971 | 1755 | 691 | 712 |" in lines[5]
+    assert lines[6].startswith("| - | sustained | 5 | 36.20 | 971 | 1755 | 691 | - |")
+
+
 def test_timeline_merges_overlaps_and_counts_idle_time() -> None:
     from benchmarks.indexer_timeline import GAP_US, timeline
 
