@@ -70,7 +70,7 @@ class AutotunedLogits:
                     },
                     num_warps=c.num_warps,
                     num_stages=c.num_stages,
-                    maxnreg=c.pair_max_registers if c.groups(heads) == 2 else None,
+                    maxnreg=c.max_registers(heads),
                 )
                 for c in self.configs
                 if c.block_n >= heads

@@ -129,6 +129,10 @@ class LogitsConfig:
         """Query blocks a program for `heads` heads: q_groups if a block holds <= 2 queries."""
         return self.q_groups if self.block_q(heads) <= 2 else 1
 
+    def max_registers(self, heads: int) -> int | None:
+        """ptxas register cap (`maxnreg`) for `heads` heads: the pair cap, two-block programs only."""
+        return self.pair_max_registers if self.groups(heads) == 2 else None
+
     @property
     def label(self) -> str:
         """Short name for reports, e.g. `n128/k64/w4/s3` or `n128/k64/w4/s3/pipe`."""
@@ -362,7 +366,7 @@ def launch_logits(
     even_k = config.key_mask == "auto" and s_k % config.block_k == 0
     groups = config.groups(heads)
     grid = (triton.cdiv(triton.cdiv(n_rows, block_q), groups),)
-    regs = config.pair_max_registers if groups == 2 else None
+    regs = config.max_registers(heads)
     extra = {} if regs is None else {"maxnreg": regs}
     return _indexer_logits_kernel[grid](
         q8,

@@ -189,4 +189,7 @@ def test_logits_config_rejects_bad_values() -> None:
     # q_groups pairs up blocks of at most 2 queries (H >= 64 at block_n 128) only
     assert [LogitsConfig(q_groups=2).groups(h) for h in (128, 64, 32, 8)] == [2, 2, 1, 1]
     assert LogitsConfig(16, q_groups=2).groups(8) == 2
+    # the cap reaches two-block programs only (under it ptxas grows the H=32 kernel past 128)
+    fixed = LogitsConfig(q_groups=2, pair_max_registers=168)
+    assert [fixed.max_registers(h) for h in (64, 32)] == [168, None]
     assert LogitsConfig(schedule="pipelined", key_mask="always").label == "n128/k64/w4/s3/pipe/mask"
