@@ -56,7 +56,7 @@ _SCHEDULES = ("serial", "pipelined")  # kernel bodies: see the module docstring
 
 @dataclass(frozen=True)
 class LogitsConfig:
-    """Launch parameters of the logits kernel; block_n = queries per program x heads.
+    """Launch parameters of the logits kernel; block_n = queries per query block x heads.
 
     `schedule`: "serial" issues a tile's wgmma and waits for it before its epilogue (4 programs
     an SM overlap one another); "pipelined" issues tile i+1's wgmma before tile i's epilogue
@@ -120,7 +120,7 @@ class LogitsConfig:
             raise ValueError("LogitsConfig.q_groups=2 needs schedule='serial'")
 
     def block_q(self, heads: int) -> int:
-        """Queries per query block (q_groups blocks a program) for `heads` (padded) heads."""
+        """Queries per query block (`groups(heads)` blocks a program) for `heads` (padded) heads."""
         if heads > self.block_n:
             raise ValueError(f"heads={heads} exceeds LogitsConfig.block_n={self.block_n}")
         return self.block_n // heads
