@@ -32,7 +32,6 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
-import math
 import os
 import statistics
 import time
@@ -53,6 +52,7 @@ from benchmarks.bench_indexer import (
     TOPK,
     D,
     _warm_one,
+    batch_size,
     logits_buffer,
     logits_runner,
     random_row,
@@ -288,11 +288,7 @@ def time_interleaved(
             FAILURES.append(f"{name}: {exc!r}"[:300])
             del runners[name]
             continue
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        reps[name] = max(1, math.ceil(min_sample_ms / max(a.elapsed_time(b), 1e-3)))
+        reps[name] = batch_size(fn, min_sample_ms)
     samples: dict[str, list[float]] = {name: [] for name in runners}
     names = list(runners)
     for r in range(rounds):
