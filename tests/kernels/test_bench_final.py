@@ -160,6 +160,40 @@ def test_clock_probe_table_names_configs_and_leaves_out_cold_energy() -> None:
     assert lines[6].startswith("| - | sustained | 5 | 36.20 | 971 | 1755 | 691 | - |")
 
 
+def test_event_ms_times_batches_of_back_to_back_calls(monkeypatch) -> None:
+    # CUDA events stood in by a clock that each call moves by 2 ms (plus 0.5 ms of launch
+    # latency a sample, which batching must spread over the calls): 2 calls a sample cover
+    # 3 ms, and the median is per call.
+    import benchmarks.bench_indexer as bench
+
+    clock = [0.0]
+    calls = []
+
+    class _Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = clock[0]
+            clock[0] += 0.25  # half the launch latency before the first call, half after
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: _Event) -> float:
+            return end.t - self.t
+
+    def fn() -> None:
+        calls.append(1)
+        clock[0] += 2.0
+
+    monkeypatch.setattr(bench.torch.cuda, "Event", _Event)
+    assert bench.batch_size(fn, 3.0) == 2  # one call reads 2.25 ms
+    calls.clear()
+    assert bench.event_ms(fn, reps=3, warmup=1, min_sample_ms=3.0) == (0.25 + 2 * 2.0) / 2
+    assert len(calls) == 1 + 1 + 3 * 2  # warmup, the batch size's call, 3 samples of 2
+
+
 def test_timeline_merges_overlaps_and_counts_idle_time() -> None:
     from benchmarks.indexer_timeline import GAP_US, timeline
 
