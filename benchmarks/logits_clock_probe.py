@@ -23,6 +23,7 @@ markdown to benchmarks/RESULTS.md here afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import statistics
@@ -42,7 +43,7 @@ from benchmarks._results import (
     probe_main,
 )
 from benchmarks.bench_indexer import TOPK, D, logits_runner, random_row, row_ranges
-from kernels.fp8_indexer import FIXED_CONFIG, IndexerConfig, indexer_topk_prepared, prepare_inputs
+from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
 
 TITLE = "fp8 indexer (issue 5): logits rate against clock and power"
@@ -111,7 +112,7 @@ def timed(fn) -> float:
 def _regimes(p, cfg: LogitsConfig) -> list[tuple[str, list[tuple[float, float, float]]]]:
     """(regime, [(logits ms, start, end)]) of the three regimes for one logits config."""
     run = logits_runner(p, cfg)
-    icfg = IndexerConfig(logits=cfg, topk=FIXED_CONFIG.topk, overlap=FIXED_CONFIG.overlap)
+    icfg = dataclasses.replace(FIXED_CONFIG, logits=cfg)
     run()
     indexer_topk_prepared(p, TOPK, icfg)
     torch.cuda.synchronize()

@@ -301,7 +301,7 @@ def _indexer_logits_kernel(
         H, D, BLOCK_Q,
     )  # fmt: skip
     if GROUPS == 2:
-        ks2, ke2, lo2, hi2, q2_t, wq2, out_rows2, d = _query_block(
+        ks2, ke2, lo2, hi2, q2_t, wq2, out_rows2, _ = _query_block(
             q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk + 1,
             H, D, BLOCK_Q,
         )  # fmt: skip
