@@ -80,8 +80,8 @@ TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 # re-measured. The sweep (SWEEP_CONFIGS) holds the other shared-tile and one-block neighbours.
 LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
     FIXED_LOGITS_CONFIG,
-    LogitsConfig(128, 64, 4, 3),
-    LogitsConfig(128, 64, 4, 4, q_groups=2, pair_max_registers=168),
+    LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168),  # v9's fixed config
+    LogitsConfig(128, 64, 4, 3),  # v2-v8's
 )
 # The fixed top-k (split one-warp select with ballot compaction, prefetch and early exit, then
 # the one-warp radix order of the 2048 winners, peers from ballots). The torch sort and the

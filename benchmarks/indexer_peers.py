@@ -32,9 +32,10 @@ from kernels.logits import LogitsConfig, _indexer_logits_kernel
 # first H200 run's three slowest (block_k 128 with 8 warps or 2 stages) made way for block_n 64
 # and 2-stage variants of the winner.
 SWEEP_CONFIGS: tuple[LogitsConfig, ...] = (
-    LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168),  # the fixed config (v9)
-    LogitsConfig(128, 64, 4, 4, q_groups=2, pair_max_registers=168),
-    LogitsConfig(128, 64, 4, 2, q_groups=2, pair_max_registers=168),
+    LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168, pair_relu="abs"),  # fixed
+    LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168),  # the fixed config of v9
+    LogitsConfig(128, 64, 4, 4, q_groups=2, pair_max_registers=168, pair_relu="abs"),
+    LogitsConfig(128, 64, 4, 2, q_groups=2, pair_max_registers=168, pair_relu="abs"),
     LogitsConfig(64, 64, 4, 3, q_groups=2),  # 1-query blocks in pairs at H=64, 2-query at H=32
     LogitsConfig(128, 64, 4, 3),  # the fixed config up to v8
     LogitsConfig(128, 64, 4, 2),
@@ -67,6 +68,7 @@ class AutotunedLogits:
                         "BLOCK_K": c.block_k,
                         "GROUPS": c.groups(heads),
                         "CHAIN": c.head_sum == "chain",
+                        "ABS_RELU": c.abs_relu(heads),
                     },
                     num_warps=c.num_warps,
                     num_stages=c.num_stages,

@@ -80,6 +80,13 @@ class LogitsConfig:
     `pair_max_registers`: ptxas register cap (`maxnreg`) of the two-block programs; one-block
     programs are never capped (under a 168 cap ptxas gives the H = 32 kernel 139 registers
     instead of 128: 3 programs an SM instead of 4, 11% slower). None leaves ptxas its choice.
+    `pair_relu`: how the two-block programs' tree head sum takes relu(x) * wq. "max" is
+    max(x, 0) * wq (FMNMX, on the ALU pipe); "abs" is (x + |x|) * (wq / 2) (an FADD with an
+    |x| operand, on the FMA pipe; wq halved once a program). The products are equal (x + |x|
+    = 2x or +0, and halving wq is exact unless |wq| < 2^-125), so the scores are identical
+    (checked bitwise on the H200). 1-2% faster at H = 64 with two blocks in the two H200 probes
+    of v10, 3-6% slower in the one-block H = 32 kernel, which therefore keeps "max" (as does
+    the chain head sum, where "abs" lost too). Two-block programs only, like the cap.
     """
 
     block_n: int = 128
@@ -91,6 +98,7 @@ class LogitsConfig:
     q_groups: int = 1
     head_sum: Literal["tree", "chain"] = "tree"
     pair_max_registers: int | None = None
+    pair_relu: Literal["max", "abs"] = "max"
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -114,6 +122,10 @@ class LogitsConfig:
             raise ValueError(f"LogitsConfig.pair_max_registers={regs}: must be 24-255")
         if regs is not None and self.q_groups != 2:
             raise ValueError("LogitsConfig.pair_max_registers needs q_groups=2")
+        if self.pair_relu not in ("max", "abs"):
+            raise ValueError(f"LogitsConfig.pair_relu={self.pair_relu!r}: must be 'max' or 'abs'")
+        if self.pair_relu != "max" and (self.q_groups != 2 or self.head_sum != "tree"):
+            raise ValueError("LogitsConfig.pair_relu='abs' needs q_groups=2 and head_sum='tree'")
         if self.q_groups not in (1, 2):
             raise ValueError(f"LogitsConfig.q_groups={self.q_groups}: must be 1 or 2")
         if self.q_groups != 1 and self.schedule != "serial":
@@ -133,6 +145,10 @@ class LogitsConfig:
         """ptxas register cap (`maxnreg`) for `heads` heads: the pair cap, two-block programs only."""
         return self.pair_max_registers if self.groups(heads) == 2 else None
 
+    def abs_relu(self, heads: int) -> bool:
+        """Whether the kernel for `heads` heads takes relu as x + |x| (two-block programs only)."""
+        return self.pair_relu == "abs" and self.groups(heads) == 2
+
     @property
     def label(self) -> str:
         """Short name for reports, e.g. `n128/k64/w4/s3` or `n128/k64/w4/s3/pipe`."""
@@ -147,15 +163,24 @@ class LogitsConfig:
             tag += "/chain"
         if self.pair_max_registers is not None:
             tag += f"/r{self.pair_max_registers}"
+        if self.pair_relu != "max":
+            tag += f"/{self.pair_relu}"
         return tag
 
 
 # Chosen by the H200 sweeps recorded in docs/KERNELS.md (fixed for every row length): 128
 # (query, head) columns x 64 keys, one warpgroup, 3 stages. At H = 64 two 2-query blocks share
-# each key tile (q_groups, v9): 168 registers, 57 KB of shared memory, 3 programs an SM. At
-# H = 32 one 4-query block a program: 128 registers, 41 KB, 4 programs an SM.
+# each key tile (q_groups, v9): 168 registers, 57 KB of shared memory, 3 programs an SM, relu
+# as x + |x| (v10). At H = 32 one 4-query block a program: 128 registers, 41 KB, 4 programs
+# an SM.
 FIXED_LOGITS_CONFIG = LogitsConfig(
-    block_n=128, block_k=64, num_warps=4, num_stages=3, q_groups=2, pair_max_registers=168
+    block_n=128,
+    block_k=64,
+    num_warps=4,
+    num_stages=3,
+    q_groups=2,
+    pair_max_registers=168,
+    pair_relu="abs",
 )
 
 
@@ -197,8 +222,10 @@ def _head_chain(x, w, s, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, NI: tl.co
 
 @triton.jit
 def _head_sum(acc, wq, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, H: tl.constexpr,
-              CHAIN: tl.constexpr):  # fmt: skip
-    """[BLOCK_K, BLOCK_Q] = sum over heads of relu(acc) * wq (acc columns are (query, head))."""
+              CHAIN: tl.constexpr, ABS_RELU: tl.constexpr):  # fmt: skip
+    """[BLOCK_K, BLOCK_Q] = sum over heads of relu(acc) * wq (acc columns are (query, head)).
+
+    ABS_RELU: wq holds half the weights and relu(x) is taken as x + |x| (tree sum only)."""
     if CHAIN and H >= 8:
         # head h = 8 i + 2 t + j: i and j index a thread's registers, t its lane in a quad
         x0, x1 = tl.split(tl.reshape(acc, (BLOCK_K, BLOCK_Q, H // 8, 4, 2)))
@@ -207,7 +234,10 @@ def _head_sum(acc, wq, BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, H: tl.const
         s = _head_chain(x1, w1, s, BLOCK_K, BLOCK_Q, H // 8, False)
         score = tl.sum(s, axis=2)
     else:
-        acc = tl.maximum(acc, 0.0) * wq[None, :]
+        if ABS_RELU:
+            acc = (acc + tl.abs(acc)) * wq[None, :]
+        else:
+            acc = tl.maximum(acc, 0.0) * wq[None, :]
         score = tl.sum(tl.reshape(acc, (BLOCK_K, BLOCK_Q, H)), axis=2)
     return score
 
@@ -226,9 +256,10 @@ def _key_scales(kscale_ptr, offs, S_k, EVEN_K: tl.constexpr):
 def _tile_epilogue(
     acc, wq, ksc, offs, ks, ke, out_rows,
     BLOCK_K: tl.constexpr, BLOCK_Q: tl.constexpr, H: tl.constexpr, CHAIN: tl.constexpr,
+    ABS_RELU: tl.constexpr = False,
 ):  # fmt: skip
     """relu, head weights, head sum, key scale; store the [BLOCK_K, BLOCK_Q] scores in range."""
-    score = _head_sum(acc, wq, BLOCK_K, BLOCK_Q, H, CHAIN) * ksc[:, None]  # [BLOCK_K, BLOCK_Q]
+    score = _head_sum(acc, wq, BLOCK_K, BLOCK_Q, H, CHAIN, ABS_RELU) * ksc[:, None]
     valid = (offs[:, None] >= ks[None, :]) & (offs[:, None] < ke[None, :])
     tl.store(out_rows[None, :] + offs[:, None], score, mask=valid)
 
@@ -280,6 +311,7 @@ def _indexer_logits_kernel(
     PIPELINED: tl.constexpr = False,
     GROUPS: tl.constexpr = 1,
     CHAIN: tl.constexpr = False,
+    ABS_RELU: tl.constexpr = False,
 ):
     """Scores of this program's queries over the key tiles of [lo, hi).
 
@@ -292,7 +324,8 @@ def _indexer_logits_kernel(
     WARPGROUP.DEPBAR). Costs: a second accumulator (198 registers, 2 programs an SM) and 64
     register moves a tile. Both schedules run the same per-score arithmetic: identical scores.
     GROUPS = 2 (serial only): the program owns query blocks 2b and 2b + 1 and runs both over
-    each key tile, which is loaded once.
+    each key tile, which is loaded once. ABS_RELU (GROUPS = 2, tree head sum): relu(x) * wq is
+    (x + |x|) * (wq / 2), the same products (`LogitsConfig.pair_relu`).
     """
     n_groups = tl.cdiv(tl.cdiv(n_rows, BLOCK_Q), GROUPS)
     blk = (n_groups - 1 - tl.program_id(0)) * GROUPS  # heaviest (latest) query blocks first
@@ -307,6 +340,9 @@ def _indexer_logits_kernel(
         )  # fmt: skip
         lo = tl.minimum(lo, lo2)
         hi = tl.maximum(hi, hi2)
+        if ABS_RELU:
+            wq = wq * 0.5
+            wq2 = wq2 * 0.5
     start = (lo // BLOCK_K) * BLOCK_K
     if GROUPS == 2:
         for s0 in range(start, hi, BLOCK_K):
@@ -314,9 +350,11 @@ def _indexer_logits_kernel(
             kt = _key_tile(k_ptr, offs, d, S_k, D, EVEN_K)
             ksc = _key_scales(kscale_ptr, offs, S_k, EVEN_K)
             acc = tl.dot(kt, q_t)
-            _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN)
+            _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN,
+                           ABS_RELU)  # fmt: skip
             acc = tl.dot(kt, q2_t)
-            _tile_epilogue(acc, wq2, ksc, offs, ks2, ke2, out_rows2, BLOCK_K, BLOCK_Q, H, CHAIN)
+            _tile_epilogue(acc, wq2, ksc, offs, ks2, ke2, out_rows2, BLOCK_K, BLOCK_Q, H, CHAIN,
+                           ABS_RELU)  # fmt: skip
     elif not PIPELINED:
         for s0 in range(start, hi, BLOCK_K):
             offs = s0 + tl.arange(0, BLOCK_K)
@@ -389,6 +427,7 @@ def launch_logits(
         PIPELINED=config.schedule == "pipelined",
         GROUPS=groups,
         CHAIN=config.head_sum == "chain",
+        ABS_RELU=config.abs_relu(heads),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **extra,

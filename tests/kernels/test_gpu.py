@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels import (
     FIXED_CONFIG,
+    FIXED_LOGITS_CONFIG,
     IndexerConfig,
     LogitsConfig,
     TopkConfig,
@@ -216,8 +217,9 @@ def test_logits_variants_equal_the_masked_serial_kernel() -> None:
             LogitsConfig(head_sum=head_sum),
             LogitsConfig(schedule="pipelined", head_sum=head_sum),
             LogitsConfig(q_groups=2, head_sum=head_sum),  # H=64: two 2-query blocks a program
-            LogitsConfig(q_groups=2, pair_max_registers=168, head_sum=head_sum),  # the fixed config
-        ):
+            LogitsConfig(q_groups=2, pair_max_registers=168, head_sum=head_sum),  # v9's fixed
+        ) + ((FIXED_LOGITS_CONFIG,) if head_sum == "tree" else ()):  # relu as x + |x|
+            assert cfg.abs_relu(64) == (cfg == FIXED_LOGITS_CONFIG)
             got = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=cfg))
             assert torch.equal(got.view(torch.int32), base.view(torch.int32)), cfg.label
 

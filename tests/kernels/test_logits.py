@@ -7,7 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import LogitsConfig, fp8_indexer_logits, prepare_inputs, reference_logits
+from kernels import (
+    FIXED_LOGITS_CONFIG,
+    LogitsConfig,
+    fp8_indexer_logits,
+    prepare_inputs,
+    reference_logits,
+)
 from kernels.logits import launch_logits
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
@@ -100,6 +106,9 @@ def _run(p, config: LogitsConfig, keys: int) -> torch.Tensor:
         (LogitsConfig(head_sum="chain", key_mask="always"), 256),  # the fma-chain head sum
         (LogitsConfig(head_sum="chain", schedule="pipelined"), 197),
         (LogitsConfig(16, 64, 4, 3, q_groups=2, head_sum="chain"), 256),
+        # relu as x + |x| with halved weights (the fixed config's two-block programs)
+        (LogitsConfig(16, 64, 4, 3, q_groups=2, pair_relu="abs"), 256),
+        (LogitsConfig(16, 64, 4, 3, q_groups=2, pair_max_registers=168, pair_relu="abs"), 197),
     ],
     ids=[
         "pipelined",
@@ -112,6 +121,8 @@ def _run(p, config: LogitsConfig, keys: int) -> torch.Tensor:
         "chain-masked",
         "chain-pipelined-197-keys",
         "chain-g2",
+        "g2-abs",
+        "g2-abs-197-keys-r168",
     ],
 )
 def test_schedules_and_key_masks_give_identical_scores(
@@ -126,7 +137,12 @@ def test_schedules_and_key_masks_give_identical_scores(
     assert p.k8.shape[0] == 256  # keys padded to a multiple of KEY_PAD = 128
     got = _run(p, config, keys)
     plain = dataclasses.replace(
-        config, schedule="serial", key_mask="auto", q_groups=1, pair_max_registers=None
+        config,
+        schedule="serial",
+        key_mask="auto",
+        q_groups=1,
+        pair_max_registers=None,
+        pair_relu="max",
     )
     assert plain != config
     base = _run(p, plain, 256)
@@ -138,8 +154,8 @@ def test_schedules_and_key_masks_give_identical_scores(
 
 @pytest.mark.parametrize(
     "config",
-    [LogitsConfig(), LogitsConfig(16, 64, 4, 3, q_groups=2)],
-    ids=["g1", "g2"],
+    [LogitsConfig(), LogitsConfig(16, 64, 4, 3, q_groups=2, pair_relu="abs")],
+    ids=["g1", "g2-abs"],
 )
 def test_row_windows_equal_the_whole_matrix(prepared_row: tuple, config: LogitsConfig) -> None:
     # Chunks launch with row0 / n_rows / col0 offsets (odd row counts, 16-aligned key windows):
@@ -193,3 +209,12 @@ def test_logits_config_rejects_bad_values() -> None:
     fixed = LogitsConfig(q_groups=2, pair_max_registers=168)
     assert [fixed.max_registers(h) for h in (64, 32)] == [168, None]
     assert LogitsConfig(schedule="pipelined", key_mask="always").label == "n128/k64/w4/s3/pipe/mask"
+    with pytest.raises(ValueError, match=r"LogitsConfig\.pair_relu='min'"):
+        LogitsConfig(q_groups=2, pair_relu="min")
+    with pytest.raises(ValueError, match=r"pair_relu='abs' needs q_groups=2 and head_sum='tree'"):
+        LogitsConfig(pair_relu="abs")
+    with pytest.raises(ValueError, match=r"pair_relu='abs' needs q_groups=2 and head_sum='tree'"):
+        LogitsConfig(q_groups=2, head_sum="chain", pair_relu="abs")
+    # x + |x| reaches the two-block programs only (the one-block H=32 kernel lost with it)
+    assert [FIXED_LOGITS_CONFIG.abs_relu(h) for h in (64, 32)] == [True, False]
+    assert FIXED_LOGITS_CONFIG.label == "n128/k64/w4/s3/g2/r168/abs"
