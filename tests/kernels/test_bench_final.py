@@ -119,7 +119,9 @@ def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> Non
         append_bench_results(tmp_path)
 
 
-@pytest.mark.parametrize("module", ["select_probe", "logits_clock_probe", "indexer_timeline"])
+@pytest.mark.parametrize(
+    "module", ["select_probe", "logits_clock_probe", "indexer_timeline", "logits_probe"]
+)
 def test_probe_results_append_and_bad_files_are_refused(
     module: str, tmp_path: Path, monkeypatch
 ) -> None:
@@ -158,6 +160,29 @@ def test_clock_probe_table_names_configs_and_leaves_out_cold_energy() -> None:
     assert "| a | cold (one call) | 5 | 36.20 | 971 | 1755 | 691 | - |" in lines[4]
     assert "| b | sustained | 5 | 36.20 | 971 | 1755 | 691 | 712 |" in lines[5]
     assert lines[6].startswith("| - | sustained | 5 | 36.20 | 971 | 1755 | 691 | - |")
+
+
+def test_logits_probe_table_takes_ratios_to_the_kernel_each_shape_runs() -> None:
+    # H=64: ratios to v9's fixed config; H=32 (where the shared-tile configs run v8's kernel
+    # and are left out): ratios to v8's; a variant not run at a shape shows "-"
+    from benchmarks.logits_probe import V8, V9, markdown
+
+    v9, v8 = f"v9 fixed ({V9.label})", f"v8 ({V8.label})"
+    res = {
+        "date": "2026-12-03 16:40 UTC",
+        "bitwise": {"H=64 v9 + tma": True},
+        "shapes": [
+            {"shape": "H=64 S=16K causal", "ms": {v9: 2.0, v8: 2.2, "v9 + tma": 2.1},
+             "tflops": {v9: 1000.0, v8: 909.1, "v9 + tma": 952.4}},
+            {"shape": "H=32 S=16K causal", "ms": {v8: 1.2, "v8 + tma": 1.5},
+             "tflops": {v8: 900.0, "v8 + tma": 720.0}},
+        ],
+    }  # fmt: skip
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in markdown(res).splitlines()}
+    assert rows["v9 + tma"].endswith("| 2.100 (1.050), 952 | - |")
+    assert rows[v8].endswith("| 2.200 (1.100), 909 | 1.200 (1.000), 900 |")
+    assert rows["v8 + tma"].endswith("| - | 1.500 (1.250), 720 |")
+    assert "H=64 v9 + tma: True" in markdown(res)
 
 
 def test_event_ms_times_batches_of_back_to_back_calls(monkeypatch) -> None:
