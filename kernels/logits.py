@@ -37,7 +37,9 @@ the current tile's epilogue while it computes (`LogitsConfig.schedule`; two accu
 two programs an SM). On the H200 the one-block serial kernel reaches 890-990 TFLOP/s under
 sustained load, where the card sits at its 700 W power cap; 10% fewer loop instructions (the
 fma-chain head sum) did not make it faster, while halving the K-tile reads from L2 (two blocks
-a program at H = 64) made it 2-5% faster from 16K keys on (v9 in docs/KERNELS.md).
+a program at H = 64) made it 2-5% faster from 16K keys on (v9 in docs/KERNELS.md). Nsight
+Compute puts the tensor cores at 58% busy and the issue slots at 48%: the epilogue is latency
+bound with 12 warps an SM (v10 in docs/KERNELS.md).
 
 The fixed config and the sweep it came from are in docs/KERNELS.md.
 """
@@ -84,7 +86,7 @@ class LogitsConfig:
     max(x, 0) * wq (FMNMX, on the ALU pipe); "abs" is (x + |x|) * (wq / 2) (an FADD with an
     |x| operand, on the FMA pipe; wq halved once a program). The products are equal (x + |x|
     = 2x or +0, and halving wq is exact unless |wq| < 2^-125), so the scores are identical
-    (checked bitwise on the H200). 1-2% faster at H = 64 with two blocks in the two H200 probes
+    (checked bitwise on the H200). 0.6-2.3% faster at H = 64 from 16K in the three H200 runs
     of v10, 3-6% slower in the one-block H = 32 kernel, which therefore keeps "max" (as does
     the chain head sum, where "abs" lost too). Two-block programs only, like the cap.
     """
