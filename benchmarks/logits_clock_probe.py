@@ -14,8 +14,9 @@ regimes while `nvidia-smi` samples the SM clock, the power draw and the active c
 3. interleaved: each logits call followed by the top-k of its chunks (the end-to-end regime).
 
 Since v9 it runs the three regimes for the fixed config (two query blocks a program share each
-key tile at H = 64) and then for v8's one-block kernel, and reports the energy a flop of each
-(board power x time / counted flops).
+key tile at H = 64; since v10 with relu as x + |x|), then for v9's fixed config (relu as
+max(x, 0)) and v8's one-block kernel, and reports the energy a flop of each (board power x
+time / counted flops).
 
 Writes logits_clock_probe.json and .md under --out; `--append-results FILE` appends the
 markdown to benchmarks/RESULTS.md here afterwards.
@@ -49,9 +50,14 @@ from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
 TITLE = "fp8 indexer (issue 5): logits rate against clock and power"
 S, H = 65536, 64
 FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
-# The fixed config (since v9: two 2-query blocks a program share each key tile at H = 64) and
-# v8's one-block kernel, each through all three regimes: the energy a flop of each
-CONFIGS: tuple[LogitsConfig, ...] = (FIXED_LOGITS_CONFIG, LogitsConfig(128, 64, 4, 3))
+# The fixed config (since v9: two 2-query blocks a program share each key tile at H = 64; since
+# v10 with relu as x + |x|), v9's (relu as max) and v8's one-block kernel, each through all
+# three regimes: the energy a flop of each
+CONFIGS: tuple[LogitsConfig, ...] = (
+    FIXED_LOGITS_CONFIG,
+    dataclasses.replace(FIXED_LOGITS_CONFIG, pair_relu="max"),
+    LogitsConfig(128, 64, 4, 3),
+)
 
 
 class Sampler:
