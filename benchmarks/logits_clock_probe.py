@@ -27,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,19 +63,33 @@ CONFIGS: tuple[LogitsConfig, ...] = (
 
 
 class Sampler:
-    """`nvidia-smi` in the background, one CSV line every 100 ms."""
+    """`nvidia-smi` in the background, one CSV line every 100 ms, into a file.
+
+    Not a pipe: nobody reads it until `stop`, and a full pipe (64 KB, ~90 s of lines) blocks
+    nvidia-smi, which then stops sampling; the 16:52 run of 2026-12-03 lost its last ~10 s that
+    way. `stdbuf -oL` (where present) flushes each line, so stopping loses none."""
 
     def __init__(self) -> None:
         self.t0 = time.time()
-        self.proc = subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits", "-lms", "100"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop)
+        cmd = [
+            "nvidia-smi",
+            f"--query-gpu={FIELDS}",
+            "--format=csv,noheader,nounits",
+            "-lms",
+            "100",
+        ]
+        if shutil.which("stdbuf"):
+            cmd = ["stdbuf", "-oL", *cmd]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, text=True)
 
     def stop(self) -> list[dict]:
+        time.sleep(0.3)  # the samples of the last call's end
         self.proc.terminate()
-        out, _ = self.proc.communicate(timeout=10)
+        self.proc.wait(timeout=10)
+        self.log.seek(0)
+        out = self.log.read()
+        self.log.close()
         rows = []
         for line in out.splitlines():
             parts = [p.strip() for p in line.split(",")]
