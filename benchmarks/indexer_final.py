@@ -19,7 +19,7 @@ from the process start; a section or shape that would end past it is skipped and
    Per shape: each config's time over the best (target: the fixed config within 1.05x at every
    shape) and TFLOP/s counted as 2 H D (valid pairs) (target: >= 1000 at S >= 16K, H = 64).
 3. A bitwise check that the n128/k64 candidates' logits (unmasked key loads, shared key tiles,
-   register caps) equal the masked serial kernel with the same head sum.
+   register caps, relu as x + |x|) equal the masked serial kernel with the same head sum.
 
 Nothing here chooses a config for the kernels: `kernels` keeps its one fixed config, and this
 script reports which candidate meets which target so that the fixed config can be changed by
@@ -383,8 +383,8 @@ def measure_e2e(s: int, h: int, rounds: int) -> tuple[list[dict], float]:
 
 
 def check_equal_logits() -> bool:
-    """The n128/k64 candidates (unmasked key loads, shared key tiles, register caps) against
-    the masked serial kernel with the same head sum, bitwise (4K packed)."""
+    """The n128/k64 candidates (unmasked key loads, shared key tiles, register caps, relu as
+    x + |x|) against the masked serial kernel with the same head sum, bitwise (4K packed)."""
     ks, ke = row_ranges(4096, packed=True)
     q, k, w = random_row(4096, 64, seed=77)
     ks, ke = ks.cuda(), ke.cuda()
