@@ -146,13 +146,18 @@ def event_ms(fn, reps: int, warmup: int = 1, min_sample_ms: float = 3.0) -> floa
     return statistics.median(times)
 
 
+def chunk_plan(p: PreparedInputs) -> list[tuple[int, int, int, int]]:
+    """The chunks (row0, row1, col0, width) a topk call with the fixed config runs for p."""
+    extra = TopkWorkspace.bytes_per_row(TOPK, FIXED_CONFIG.topk)
+    return plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
+
+
 def logits_runner(p: PreparedInputs, cfg: LogitsConfig, buf: torch.Tensor | None = None):
     """All chunks' logits launches of a topk call, for timing one logits config alone.
 
     `buf` (from `logits_buffer(p)`) lets several runners share one chunk buffer (up to 8 GiB).
     """
-    extra = TopkWorkspace.bytes_per_row(TOPK, FIXED_CONFIG.topk)
-    chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
+    chunks = chunk_plan(p)
     if buf is None:
         buf = logits_buffer(p)
 
@@ -169,8 +174,7 @@ def logits_runner(p: PreparedInputs, cfg: LogitsConfig, buf: torch.Tensor | None
 
 def logits_buffer(p: PreparedInputs) -> torch.Tensor:
     """A buffer for the largest chunk of `logits_runner(p, ...)`."""
-    extra = TopkWorkspace.bytes_per_row(TOPK, FIXED_CONFIG.topk)
-    chunks = plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
+    chunks = chunk_plan(p)
     rows = max(r1 - r0 for r0, r1, _, _ in chunks)
     size = rows * max(w for *_, w in chunks)
     return torch.empty(size, dtype=torch.float32, device=p.q8.device)

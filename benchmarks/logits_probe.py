@@ -38,9 +38,16 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import command_line, machine_description, markdown_table, probe_main
-from benchmarks.bench_indexer import D, logits_buffer, logits_runner, random_row, row_ranges
+from benchmarks.bench_indexer import (
+    D,
+    chunk_plan,
+    logits_buffer,
+    logits_runner,
+    random_row,
+    row_ranges,
+)
 from benchmarks.indexer_final import time_interleaved
-from kernels.fp8_indexer import FIXED_CONFIG, plan_chunks, prepare_inputs
+from kernels.fp8_indexer import prepare_inputs
 from kernels.logits import (
     FIXED_LOGITS_CONFIG,
     LogitsConfig,
@@ -49,7 +56,6 @@ from kernels.logits import (
     _query_block,
     launch_logits,
 )
-from kernels.topk import TopkWorkspace
 
 TITLE = "fp8 indexer (issue 5): where the logits kernel's time goes"
 V9 = dataclasses.replace(FIXED_LOGITS_CONFIG, pair_relu="max")
@@ -142,11 +148,6 @@ def _probe_kernel(q_ptr, wq_ptr, k_src, kscale_ptr, ks_ptr, ke_ptr, out_ptr, row
         tl.store(out_rows[None, :] + offs[:, None], tot + tot2, mask=valid)
 
 
-def _chunks(p) -> list[tuple[int, int, int, int]]:
-    extra = TopkWorkspace.bytes_per_row(2048, FIXED_CONFIG.topk)
-    return plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
-
-
 def probe_runner(p, buf: torch.Tensor, cfg: LogitsConfig, epi: int, tma: bool) -> Callable:
     """Every chunk's launch of the probe kernel (cfg's blocks, warps, stages and cap)."""
     if cfg.schedule != "serial" or cfg.head_sum != "tree" or cfg.abs_relu(p.heads):
@@ -160,7 +161,7 @@ def probe_runner(p, buf: torch.Tensor, cfg: LogitsConfig, epi: int, tma: bool) -
     block_q, groups = cfg.block_q(p.heads), cfg.groups(p.heads)
     regs = cfg.max_registers(p.heads)
     extra = {} if regs is None else {"maxnreg": regs}
-    chunks = _chunks(p)
+    chunks = chunk_plan(p)
 
     def run() -> None:
         for r0, r1, col0, width in chunks:
@@ -284,7 +285,7 @@ def profile() -> None:
     ks, ke = row_ranges(16384, packed=False)
     q, k, w = random_row(16384, 64, seed=1)
     p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
-    r0, r1, col0, width = _chunks(p)[0]
+    r0, r1, col0, width = chunk_plan(p)[0]
     out = logits_buffer(p)[: (r1 - r0) * width].view(r1 - r0, width)
     for _ in range(2):
         launch_logits(
