@@ -154,8 +154,12 @@ def test_schedules_and_key_masks_give_identical_scores(
 
 @pytest.mark.parametrize(
     "config",
-    [LogitsConfig(), LogitsConfig(16, 64, 4, 3, q_groups=2, pair_relu="abs")],
-    ids=["g1", "g2-abs"],
+    [
+        LogitsConfig(),
+        LogitsConfig(16, 64, 4, 3, q_groups=2),
+        LogitsConfig(16, 64, 4, 3, q_groups=2, pair_relu="abs"),
+    ],
+    ids=["g1", "g2", "g2-abs"],
 )
 def test_row_windows_equal_the_whole_matrix(prepared_row: tuple, config: LogitsConfig) -> None:
     # Chunks launch with row0 / n_rows / col0 offsets (odd row counts, 16-aligned key windows):
