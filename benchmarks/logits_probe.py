@@ -1,25 +1,34 @@
-"""Where the logits kernel's time goes: variants that change or drop one stage (issue 5; GPU only).
+"""Where the logits kernel's time goes: the fixed config against candidates (issue 5; GPU only).
 
     PYTHONPATH=. python3 benchmarks/logits_probe.py --out $OUT/logits_probe
+    LOGITS_PROBE_STAGES=1 PYTHONPATH=. python3 benchmarks/logits_probe.py ...  # + v10's stages
     ncu --clock-control none --set full -k regex:_indexer_logits_kernel --launch-skip 1 \\
         --launch-count 1 -o $OUT/fixed python3 benchmarks/logits_probe.py --profile
 
-The fixed logits kernel reaches ~57% of the tensor cores' peak in Nsight Compute and ~51%
-under sustained load. This probe times, interleaved at each shape (round-robin, >= 3 ms of
-launches a sample, medians), the fixed config against kernels that change one stage:
+Times, interleaved at each shape (round-robin, >= 3 ms of launches a sample, medians), the
+fixed config (its programs heaviest first, as a topk call launches them) against:
 
-- `v9 fixed`: the shared key tiles with relu as max(x, 0) (v9's fixed config); `v8`: one query
-  block a program; `n64/g2`: 1-query blocks in pairs (the sweep's lead at small shapes);
+- `fixed, latest first`: the kernel's own program order (heaviest first in one causal document
+  only);
+- `v9 fixed`: the shared key tiles with relu as max(x, 0); `v8`: one query block a program;
+- 1-query blocks at H = 64 (`n64/...`): in pairs (the sweep's lead at several shapes), with
+  x + |x|, and in fours (`g4`: each key tile shared four ways, as in the fixed config's two
+  2-query blocks, at ~123 registers instead of 168: 4 programs an SM instead of 3).
+
+With LOGITS_PROBE_STAGES=1 also v10's stage probes: kernels that change one stage of v9's or
+v8's kernel (a copy of the repo kernel with switches):
+
 - `tma`: the key tiles through a TMA descriptor (mbarriers instead of cp.async and a barrier);
 - `asm store`: the scores stored straight from the accumulator's layout with inline PTX
   (no shared-memory layout conversion; 4 lanes a quad store the same value);
 - diagnostics that give wrong scores: `no relu/weight` (the head sum of the raw products),
   `no store` (scores summed in registers and stored once at the end).
 
-The kernels that must give the fixed config's scores (`tma`, `asm store`) are checked bitwise
-against the repo kernel first. `--profile` launches the fixed config twice at 16K causal,
-H = 64 (compile, then the launch for `ncu --launch-skip 1`). Writes logits_probe.json and .md
-under --out; `--append-results FILE` appends the markdown to benchmarks/RESULTS.md here.
+Every variant's scores are checked bitwise against the fixed config's first (the probe
+kernels' against the repo kernel's with their config). `--profile` launches the fixed config
+twice at 16K causal, H = 64 (compile, then the launch for `ncu --launch-skip 1`). Writes
+logits_probe.json and .md under --out; `--append-results FILE` appends the markdown to
+benchmarks/RESULTS.md here.
 """
 
 from __future__ import annotations
@@ -27,9 +36,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,17 +68,28 @@ from kernels.logits import (
     _key_tile,
     _query_block,
     launch_logits,
+    program_order,
+    upload_order,
 )
 
 TITLE = "fp8 indexer (issue 5): where the logits kernel's time goes"
 V9 = dataclasses.replace(FIXED_LOGITS_CONFIG, pair_relu="max")
 V8 = LogitsConfig(128, 64, 4, 3)
-N64 = LogitsConfig(64, 64, 4, 3, q_groups=2)
+# 1-query blocks at H = 64 (2-query blocks at H = 32): in pairs as in the sweep, and in fours,
+# which share each key tile four ways (as many K-tile reads a flop as the fixed config) at
+# ~123 registers. The fours lost 7-30% at H = 64 from 16K in the first v11 probe (with 2 stages
+# for 4 programs an SM, or 3 stages, whose 57.6 KB of shared memory fit 3), as did pairs with
+# x + |x|: the best of them stays for the record.
+N64_CANDIDATES = (
+    LogitsConfig(64, 64, 4, 3, q_groups=2),
+    LogitsConfig(64, 64, 4, 3, q_groups=4, pair_relu="abs"),
+)
 # (H, S, packed): the target shapes first
 SHAPES = (
     (64, 16384, False),
     (64, 65536, False),
     (64, 16384, True),
+    (64, 65536, True),
     (64, 4096, False),
     (64, 4096, True),
     (32, 16384, False),
@@ -152,6 +176,8 @@ def probe_runner(p, buf: torch.Tensor, cfg: LogitsConfig, epi: int, tma: bool) -
     """Every chunk's launch of the probe kernel (cfg's blocks, warps, stages and cap)."""
     if cfg.schedule != "serial" or cfg.head_sum != "tree" or cfg.abs_relu(p.heads):
         raise ValueError(f"probe kernel: serial schedule, tree head sum, max relu only ({cfg})")
+    if cfg.groups(p.heads) > 2:
+        raise ValueError(f"probe kernel: at most two query blocks a program ({cfg})")
     assert p.k8.shape[0] % cfg.block_k == 0
     k_src = p.k8
     if tma:
@@ -177,45 +203,70 @@ def probe_runner(p, buf: torch.Tensor, cfg: LogitsConfig, epi: int, tma: bool) -
     return run
 
 
-# name -> (config, probe epilogue or None for the repo kernel, TMA key tiles, same scores)
-VARIANTS: dict[str, tuple[LogitsConfig, int | None, bool, bool]] = {
-    f"fixed ({FIXED_LOGITS_CONFIG.label})": (FIXED_LOGITS_CONFIG, None, False, True),
-    f"v9 fixed ({V9.label})": (V9, None, False, True),
-    "v9 + tma": (V9, EPI_FULL, True, True),
-    "v9 + asm store": (V9, EPI_ASM_STORE, False, True),
-    "v9, no relu/weight (diagnostic)": (V9, EPI_NO_RELU_WEIGHT, False, False),
-    "v9, no store (diagnostic)": (V9, EPI_NO_STORE, False, False),
-    f"v8 ({V8.label})": (V8, None, False, True),
-    "v8 + tma": (V8, EPI_FULL, True, True),
-    "v8 + asm store": (V8, EPI_ASM_STORE, False, True),
-    f"n64/g2 ({N64.label})": (N64, None, False, True),
+class Variant(NamedTuple):
+    """A kernel to time: the repo kernel with `cfg` (epi None; programs heaviest first unless
+    not `ordered`), or the probe kernel with cfg's blocks and one stage changed (epi, tma)."""
+
+    cfg: LogitsConfig
+    epi: int | None = None
+    tma: bool = False
+    same: bool = True  # must give the repo kernel's scores for cfg
+    ordered: bool = True
+    h32: bool = False  # a kernel of its own at H = 32 (else it runs one timed already)
+
+
+FIXED_NAME = f"fixed ({FIXED_LOGITS_CONFIG.label})"
+# v11: the 1-query-block candidates (H = 64) and the heavy-first program order
+CANDIDATES: dict[str, Variant] = {
+    FIXED_NAME: Variant(FIXED_LOGITS_CONFIG, h32=True),
+    "fixed, latest first": Variant(FIXED_LOGITS_CONFIG, ordered=False, h32=True),
+    f"v9 fixed ({V9.label})": Variant(V9),
+    f"v8 ({V8.label})": Variant(V8),
+    # at H = 32 both run 2-query blocks in pairs: one row
+    **{c.label: Variant(c, h32=i == 0) for i, c in enumerate(N64_CANDIDATES)},
+}
+# v10: one stage of v9's or v8's kernel changed (the probe kernel); LOGITS_PROBE_STAGES=1
+STAGES: dict[str, Variant] = {
+    "v9 + tma": Variant(V9, EPI_FULL, True),
+    "v9 + asm store": Variant(V9, EPI_ASM_STORE),
+    "v9, no relu/weight (diagnostic)": Variant(V9, EPI_NO_RELU_WEIGHT, same=False),
+    "v9, no store (diagnostic)": Variant(V9, EPI_NO_STORE, same=False),
+    "v8 + tma": Variant(V8, EPI_FULL, True, h32=True),
+    "v8 + asm store": Variant(V8, EPI_ASM_STORE, h32=True),
+}
+VARIANTS: dict[str, Variant] = {
+    **CANDIDATES,
+    **(STAGES if os.environ.get("LOGITS_PROBE_STAGES") == "1" else {}),
 }
 
 
 def _runner(p, buf, name: str) -> Callable:
-    cfg, epi, tma, _ = VARIANTS[name]
-    return logits_runner(p, cfg, buf) if epi is None else probe_runner(p, buf, cfg, epi, tma)
+    v = VARIANTS[name]
+    if v.epi is None:
+        return logits_runner(p, v.cfg, buf, ordered=v.ordered)
+    return probe_runner(p, buf, v.cfg, v.epi, v.tma)
 
 
 def _applies(name: str, heads: int) -> bool:
-    """At H = 32 the shared-tile configs run v8's kernel: only v8's variants are distinct."""
-    return heads >= 64 or name.startswith("v8")
+    """At H = 32 the two-block configs run v8's kernel: only the distinct kernels run there."""
+    return heads >= 64 or VARIANTS[name].h32 or name.startswith("v8")
 
 
 def bitwise_checks() -> dict[str, bool]:
-    """Each score-preserving variant's chunk bitwise equal to the repo kernel's (4K packed)."""
+    """Each variant's scores against the fixed config's (repo-kernel variants) or the repo
+    kernel's with the same config (probe-kernel variants that must keep them); 4K packed."""
     res = {}
     for h in (64, 32):
         ks, ke = row_ranges(4096, packed=True)
         q, k, w = random_row(4096, h, seed=5)
         p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
         buf_a, buf_b = logits_buffer(p), logits_buffer(p)
-        for name, (cfg, epi, _, same) in VARIANTS.items():
-            if epi is None or not same or not _applies(name, h):
+        for name, v in VARIANTS.items():
+            if not v.same or not _applies(name, h) or name == FIXED_NAME:
                 continue
             buf_a.fill_(float("nan"))
             buf_b.fill_(float("nan"))
-            logits_runner(p, cfg, buf_a)()
+            logits_runner(p, FIXED_LOGITS_CONFIG if v.epi is None else v.cfg, buf_a)()
             _runner(p, buf_b, name)()
             torch.cuda.synchronize()
             res[f"H={h} {name}"] = bool(
@@ -243,7 +294,12 @@ def probe(out: Path | None) -> dict:
         ms = time_interleaved({n: _runner(p, buf, n) for n in names}, ROUNDS)
         shape = f"H={h} S={s // 1024}K {'packed x6' if packed else 'causal'}"
         res["shapes"].append(
-            {"shape": shape, "ms": ms, "tflops": {n: flops / (v * 1e9) for n, v in ms.items()}}
+            {
+                "shape": shape,
+                "ms": ms,
+                "tflops": {n: flops / (v * 1e9) for n, v in ms.items()},
+                "order_host_ms": order_host_ms(p),
+            }
         )
         print(shape, json.dumps({n: round(v, 4) for n, v in ms.items()}), flush=True)
         del p, buf, q, k, w
@@ -257,9 +313,21 @@ def probe(out: Path | None) -> dict:
     return res
 
 
+def order_host_ms(p, reps: int = 20) -> float:
+    """Median host time of a topk call's program orders (every chunk, copies included)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for r0, r1, _, _ in chunk_plan(p):
+            o = program_order(p.ks_host, p.ke_host, r0, r1 - r0, p.heads, FIXED_LOGITS_CONFIG)
+            upload_order(o, p.q8.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def markdown(res: dict) -> str:
     shapes = res["shapes"]
-    ref = f"v9 fixed ({V9.label})"
     head = ["variant", *(r["shape"] for r in shapes)]
     body = []
     for name in VARIANTS:
@@ -268,15 +336,22 @@ def markdown(res: dict) -> str:
             if name not in r["ms"]:
                 row.append("-")
                 continue
-            base = r["ms"].get(ref, r["ms"].get(f"v8 ({V8.label})"))
+            base = r["ms"][FIXED_NAME]
             row.append(f"{r['ms'][name]:.3f} ({r['ms'][name] / base:.3f}), {r['tflops'][name]:.0f}")
         body.append(row)
     checks = ", ".join(f"{k}: {v}" for k, v in res["bitwise"].items())
+    if all("order_host_ms" in r for r in shapes):  # not in the runs before v11's second
+        body.append(
+            ["host ms of the program orders", *(f"{r['order_host_ms']:.3f}" for r in shapes)]
+        )
     return (
-        f"Measured {res['date']}. Logits ms (ratio to v9's fixed config; at H=32 to v8's kernel, "
-        f"which both run there), TFLOP/s; interleaved, {ROUNDS} rounds, medians. The diagnostic "
-        "rows compute wrong scores.\n\n" + markdown_table(head, body) + "\n\n"
-        f"Scores bitwise equal to the repo kernel's (4K packed): {checks}.\n"
+        f"Measured {res['date']}. Logits ms (ratio to the fixed config, programs heaviest "
+        f"first), TFLOP/s; interleaved, {ROUNDS} rounds, medians. A dash: at H=32 the config "
+        "runs a kernel timed in another row. Diagnostic rows compute wrong scores.\n\n"
+        + markdown_table(head, body)
+        + "\n\n"
+        f"Scores bitwise equal to the fixed config's (probe kernels: to the repo kernel's with "
+        f"their config; 4K packed): {checks}.\n"
     )
 
 

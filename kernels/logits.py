@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -122,16 +123,18 @@ class LogitsConfig:
         regs = self.pair_max_registers
         if regs is not None and not 24 <= regs <= 255:
             raise ValueError(f"LogitsConfig.pair_max_registers={regs}: must be 24-255")
-        if regs is not None and self.q_groups != 2:
-            raise ValueError("LogitsConfig.pair_max_registers needs q_groups=2")
+        if regs is not None and self.q_groups == 1:
+            raise ValueError("LogitsConfig.pair_max_registers needs q_groups 2 or 4")
         if self.pair_relu not in ("max", "abs"):
             raise ValueError(f"LogitsConfig.pair_relu={self.pair_relu!r}: must be 'max' or 'abs'")
-        if self.pair_relu != "max" and (self.q_groups != 2 or self.head_sum != "tree"):
-            raise ValueError("LogitsConfig.pair_relu='abs' needs q_groups=2 and head_sum='tree'")
-        if self.q_groups not in (1, 2):
-            raise ValueError(f"LogitsConfig.q_groups={self.q_groups}: must be 1 or 2")
+        if self.pair_relu != "max" and (self.q_groups == 1 or self.head_sum != "tree"):
+            raise ValueError(
+                "LogitsConfig.pair_relu='abs' needs q_groups 2 or 4 and head_sum='tree'"
+            )
+        if self.q_groups not in (1, 2, 4):
+            raise ValueError(f"LogitsConfig.q_groups={self.q_groups}: must be 1, 2 or 4")
         if self.q_groups != 1 and self.schedule != "serial":
-            raise ValueError("LogitsConfig.q_groups=2 needs schedule='serial'")
+            raise ValueError(f"LogitsConfig.q_groups={self.q_groups} needs schedule='serial'")
 
     def block_q(self, heads: int) -> int:
         """Queries per query block (`groups(heads)` blocks a program) for `heads` (padded) heads."""
@@ -140,16 +143,16 @@ class LogitsConfig:
         return self.block_n // heads
 
     def groups(self, heads: int) -> int:
-        """Query blocks a program for `heads` heads: q_groups if a block holds <= 2 queries."""
-        return self.q_groups if self.block_q(heads) <= 2 else 1
+        """Query blocks a program for `heads` heads: up to q_groups, at most 4 queries a program."""
+        return min(self.q_groups, max(1, 4 // self.block_q(heads)))
 
     def max_registers(self, heads: int) -> int | None:
-        """ptxas register cap (`maxnreg`) for `heads` heads: the pair cap, two-block programs only."""
-        return self.pair_max_registers if self.groups(heads) == 2 else None
+        """ptxas register cap (`maxnreg`) for `heads` heads: multi-block programs only."""
+        return self.pair_max_registers if self.groups(heads) > 1 else None
 
     def abs_relu(self, heads: int) -> bool:
-        """Whether the kernel for `heads` heads takes relu as x + |x| (two-block programs only)."""
-        return self.pair_relu == "abs" and self.groups(heads) == 2
+        """Whether the kernel for `heads` heads takes relu as x + |x| (multi-block programs only)."""
+        return self.pair_relu == "abs" and self.groups(heads) > 1
 
     @property
     def label(self) -> str:
@@ -300,6 +303,7 @@ def _indexer_logits_kernel(
     ks_ptr,
     ke_ptr,
     out_ptr,
+    order_ptr,
     row0,
     n_rows,
     S_k,
@@ -314,6 +318,7 @@ def _indexer_logits_kernel(
     GROUPS: tl.constexpr = 1,
     CHAIN: tl.constexpr = False,
     ABS_RELU: tl.constexpr = False,
+    ORDERED: tl.constexpr = False,
 ):
     """Scores of this program's queries over the key tiles of [lo, hi).
 
@@ -327,15 +332,20 @@ def _indexer_logits_kernel(
     register moves a tile. Both schedules run the same per-score arithmetic: identical scores.
     GROUPS = 2 (serial only): the program owns query blocks 2b and 2b + 1 and runs both over
     each key tile, which is loaded once. ABS_RELU (GROUPS = 2, tree head sum): relu(x) * wq is
-    (x + |x|) * (wq / 2), the same products (`LogitsConfig.pair_relu`).
+    (x + |x|) * (wq / 2), the same products (`LogitsConfig.pair_relu`). GROUPS = 4: blocks
+    4b to 4b + 3 likewise. ORDERED: program i runs block group order_ptr[i] (`program_order`);
+    otherwise the latest group first, which is the heaviest first in one causal document.
     """
-    n_groups = tl.cdiv(tl.cdiv(n_rows, BLOCK_Q), GROUPS)
-    blk = (n_groups - 1 - tl.program_id(0)) * GROUPS  # heaviest (latest) query blocks first
+    if ORDERED:
+        grp = tl.load(order_ptr + tl.program_id(0))
+    else:
+        grp = tl.cdiv(tl.cdiv(n_rows, BLOCK_Q), GROUPS) - 1 - tl.program_id(0)
+    blk = grp * GROUPS
     ks, ke, lo, hi, q_t, wq, out_rows, d = _query_block(
         q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk,
         H, D, BLOCK_Q,
     )  # fmt: skip
-    if GROUPS == 2:
+    if GROUPS >= 2:
         ks2, ke2, lo2, hi2, q2_t, wq2, out_rows2, _ = _query_block(
             q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk + 1,
             H, D, BLOCK_Q,
@@ -345,8 +355,22 @@ def _indexer_logits_kernel(
         if ABS_RELU:
             wq = wq * 0.5
             wq2 = wq2 * 0.5
+    if GROUPS == 4:
+        ks3, ke3, lo3, hi3, q3_t, wq3, out_rows3, _ = _query_block(
+            q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk + 2,
+            H, D, BLOCK_Q,
+        )  # fmt: skip
+        ks4, ke4, lo4, hi4, q4_t, wq4, out_rows4, _ = _query_block(
+            q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk + 3,
+            H, D, BLOCK_Q,
+        )  # fmt: skip
+        lo = tl.minimum(lo, tl.minimum(lo3, lo4))
+        hi = tl.maximum(hi, tl.maximum(hi3, hi4))
+        if ABS_RELU:
+            wq3 = wq3 * 0.5
+            wq4 = wq4 * 0.5
     start = (lo // BLOCK_K) * BLOCK_K
-    if GROUPS == 2:
+    if GROUPS >= 2:
         for s0 in range(start, hi, BLOCK_K):
             offs = s0 + tl.arange(0, BLOCK_K)
             kt = _key_tile(k_ptr, offs, d, S_k, D, EVEN_K)
@@ -357,6 +381,13 @@ def _indexer_logits_kernel(
             acc = tl.dot(kt, q2_t)
             _tile_epilogue(acc, wq2, ksc, offs, ks2, ke2, out_rows2, BLOCK_K, BLOCK_Q, H, CHAIN,
                            ABS_RELU)  # fmt: skip
+            if GROUPS == 4:
+                acc = tl.dot(kt, q3_t)
+                _tile_epilogue(acc, wq3, ksc, offs, ks3, ke3, out_rows3, BLOCK_K, BLOCK_Q, H,
+                               CHAIN, ABS_RELU)  # fmt: skip
+                acc = tl.dot(kt, q4_t)
+                _tile_epilogue(acc, wq4, ksc, offs, ks4, ke4, out_rows4, BLOCK_K, BLOCK_Q, H,
+                               CHAIN, ABS_RELU)  # fmt: skip
     elif not PIPELINED:
         for s0 in range(start, hi, BLOCK_K):
             offs = s0 + tl.arange(0, BLOCK_K)
@@ -377,6 +408,59 @@ def _indexer_logits_kernel(
         _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN)
 
 
+def program_order(
+    ks_host: np.ndarray,
+    ke_host: np.ndarray,
+    row0: int,
+    n_rows: int,
+    heads: int,
+    config: LogitsConfig = FIXED_LOGITS_CONFIG,
+) -> np.ndarray | None:
+    """The kernel's programs heaviest first: block-group indices by key tiles, most first.
+
+    A program's work is the key tiles over [min ks, max ke) of its rows (every block of the
+    program runs every tile), counted as the kernel counts them. Ties keep the kernel's own
+    order, the latest group first, so one causal document (tiles never falling as the rows go
+    on) gives exactly that order: then None, and the kernel needs no order array. In a packed
+    row the heaviest groups end the longest document, wherever it lies.
+    """
+    rows = config.block_q(heads) * config.groups(heads)
+    if n_rows <= 0:
+        return None
+    n_prog = -(-n_rows // rows)
+    pad = n_prog * rows - n_rows
+    lo = _fold(np.minimum, ks_host[row0 : row0 + n_rows], n_prog, pad, np.iinfo(np.int32).max)
+    hi = _fold(np.maximum, ke_host[row0 : row0 + n_rows], n_prog, pad, 0)
+    bk = config.block_k
+    tiles = np.maximum(0, -(-(hi - lo // bk * bk) // bk))
+    if np.all(tiles[1:] >= tiles[:-1]):
+        return None
+    # a stable sort of the groups in latest-first order, most tiles first: numpy sorts 16-bit
+    # keys stably by radix (10x faster than int64 keys at 16K programs)
+    key = tiles.max() - tiles[::-1]
+    key = key.astype(np.uint16) if key.max() < 1 << 16 else key
+    return (n_prog - 1 - np.argsort(key, kind="stable")).astype(np.int32)
+
+
+def upload_order(order: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    """`program_order`'s array on `device`: a small asynchronous copy from pageable memory
+    (staged by the driver; pinning each array costs more host time than the copy)."""
+    if order is None:
+        return None
+    return torch.from_numpy(order).to(device, non_blocking=True)
+
+
+def _fold(op, x: np.ndarray, n_prog: int, pad: int, fill: int) -> np.ndarray:
+    """op over each program's `x` values (int64 [n_prog]): pairwise over strided columns, which
+    numpy runs ~10x faster than `op.reduceat` or a reduce along a short last axis."""
+    if pad:
+        x = np.concatenate([x, np.full(pad, fill, dtype=x.dtype)])
+    x = x.reshape(n_prog, -1)
+    while x.shape[1] > 1:
+        x = op(x[:, 0::2], x[:, 1::2])
+    return x[:, 0].astype(np.int64)
+
+
 def launch_logits(
     q8: torch.Tensor,
     wq: torch.Tensor,
@@ -391,12 +475,15 @@ def launch_logits(
     n_rows: int,
     col0: int,
     config: LogitsConfig = FIXED_LOGITS_CONFIG,
+    order: np.ndarray | torch.Tensor | None = None,
 ):
     """Write scores of queries [row0, row0 + n_rows) into out[0:n_rows, s - col0] (in-range only).
 
     `q8` is [S_q * heads, D] fp8, `k8` [S_kp, D] fp8; see the module docstring for the rules.
-    Returns Triton's handle of the launched kernel (None when there are no rows), whose
-    `n_regs` / `n_spills` the benchmarks report.
+    `order`: the programs' block groups in launch order, `program_order`'s (on the host: copied
+    here) or that copied to the device; None runs the latest group first. The scores are the
+    same either way. Returns Triton's handle of the launched kernel (None when there are no rows),
+    whose `n_regs` / `n_spills` the benchmarks report.
     """
     d = q8.shape[1]
     block_q = config.block_q(heads)
@@ -408,6 +495,10 @@ def launch_logits(
     grid = (triton.cdiv(triton.cdiv(n_rows, block_q), groups),)
     regs = config.max_registers(heads)
     extra = {} if regs is None else {"maxnreg": regs}
+    if isinstance(order, np.ndarray):
+        order = upload_order(order, q8.device)
+    if order is not None and order.numel() != grid[0]:
+        raise ValueError(f"order has {order.numel()} entries for {grid[0]} programs")
     return _indexer_logits_kernel[grid](
         q8,
         wq,
@@ -416,6 +507,7 @@ def launch_logits(
         ks,
         ke,
         out,
+        ks if order is None else order,
         row0,
         n_rows,
         s_k,
@@ -430,6 +522,7 @@ def launch_logits(
         GROUPS=groups,
         CHAIN=config.head_sum == "chain",
         ABS_RELU=config.abs_relu(heads),
+        ORDERED=order is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **extra,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ from kernels import (
     prepare_inputs,
     reference_logits,
 )
-from kernels.logits import launch_logits
+from kernels.logits import launch_logits, program_order, upload_order
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 
@@ -165,7 +166,11 @@ def test_row_windows_equal_the_whole_matrix(prepared_row: tuple, config: LogitsC
     # Chunks launch with row0 / n_rows / col0 offsets (odd row counts, 16-aligned key windows):
     # each window's scores are bitwise the whole launch's.
     p, _ = prepared_row
-    whole = _run(p, config, 256)
+    _assert_windows_equal(p, config, _run(p, config, 256))
+
+
+def _assert_windows_equal(p, config: LogitsConfig, whole: torch.Tensor) -> None:
+    """Launches over three row windows (16-aligned key windows) give `whole`'s scores bitwise."""
     for r0, r1 in ((0, 37), (37, 120), (120, 197)):
         lo = int(p.ks[r0:r1].min()) // 16 * 16
         part = torch.full((r1 - r0, 256 - lo), float("-inf"))
@@ -175,6 +180,110 @@ def test_row_windows_equal_the_whole_matrix(prepared_row: tuple, config: LogitsC
         )  # fmt: skip
         want = whole[r0:r1, lo:]
         assert torch.equal(part[:, : want.shape[1]].view(torch.int32), want.view(torch.int32))
+
+
+@pytest.fixture(scope="module")
+def prepared_row_h16() -> tuple:
+    """prepared_row's documents at H=16: 1-query blocks at block_n 16 (4 a program at q_groups=4)."""
+    ks, ke = packed_ranges([70, 3, 90, 29], pad=5)
+    q, k, w = random_inputs(ks.numel(), 16, 64, seed=37)
+    p = prepare_inputs(q, k, w, ks, ke)
+    return p, reference_logits(q, k, w, ks, ke)
+
+
+@pytest.mark.parametrize(
+    ("config", "keys"),
+    [
+        (LogitsConfig(16, 64, 4, 3, q_groups=4), 256),
+        (LogitsConfig(16, 64, 4, 3, q_groups=4, pair_relu="abs"), 256),
+        (LogitsConfig(16, 64, 4, 3, q_groups=4, pair_max_registers=128, pair_relu="abs"), 197),
+        (LogitsConfig(32, 64, 4, 3, q_groups=4, pair_relu="abs"), 256),  # 2-query blocks: g2
+    ],
+    ids=["g4", "g4-abs", "g4-abs-197-keys-r128", "g4-n32-runs-g2"],
+)
+def test_four_block_programs_give_identical_scores(
+    prepared_row_h16: tuple, config: LogitsConfig, keys: int
+) -> None:
+    # 197 1-query blocks: 50 programs of 4, the last with 3 blocks past the last row. Bitwise
+    # equal to the one-block kernel with the same block_n, within tolerance of the reference,
+    # and each row window of a chunked launch bitwise equal to the whole launch.
+    p, ref = prepared_row_h16
+    assert config.groups(p.heads) == 4 // config.block_q(p.heads)
+    got = _run(p, config, keys)
+    plain = dataclasses.replace(config, q_groups=1, pair_max_registers=None, pair_relu="max")
+    assert torch.equal(got.view(torch.int32), _run(p, plain, 256).view(torch.int32))
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert ((got[fin] - ref[fin]).norm() / ref[fin].norm()).item() <= 1e-5
+    _assert_windows_equal(p, config, got)
+
+
+def _tiles(p, order: np.ndarray, config: LogitsConfig, row0: int, n_rows: int) -> list[int]:
+    """Key tiles of each program in `order`, counted from its rows one by one."""
+    rows = config.block_q(p.heads) * config.groups(p.heads)
+    out = []
+    for g in order:
+        a, b = row0 + g * rows, min(row0 + n_rows, row0 + (g + 1) * rows)
+        lo, hi = int(p.ks_host[a:b].min()), int(p.ke_host[a:b].max())
+        start = lo // config.block_k * config.block_k
+        out.append(max(0, -(-(hi - start) // config.block_k)))
+    return out
+
+
+def test_program_order_is_heaviest_first_and_none_for_one_causal_document() -> None:
+    ks, ke = packed_ranges([70, 3, 90, 29], pad=5)
+    q, k, w = random_inputs(ks.numel(), 8, 64, seed=31)
+    p = prepare_inputs(q, k, w, ks, ke)
+    for config in (LogitsConfig(16, 16, 4, 3), LogitsConfig(16, 16, 4, 3, q_groups=2)):
+        for row0, n_rows in ((0, 197), (37, 83)):
+            order = program_order(p.ks_host, p.ke_host, row0, n_rows, p.heads, config)
+            assert order is not None and order.dtype == np.int32
+            per = config.block_q(p.heads) * config.groups(p.heads)
+            assert sorted(order.tolist()) == list(range(-(-n_rows // per)))
+            tiles = _tiles(p, order, config, row0, n_rows)
+            assert tiles == sorted(tiles, reverse=True)
+            # equal work keeps the kernel's own order: the latest group first
+            for i in range(len(order) - 1):
+                assert tiles[i] > tiles[i + 1] or order[i] > order[i + 1]
+    # the 90-token document's last blocks are the heaviest, though it ends 34 rows early
+    assert program_order(p.ks_host, p.ke_host, 0, 197, 8, LogitsConfig(16, 16, 4, 3))[0] == 81
+    causal = prepare_inputs(q, k, w, *packed_ranges([197]))
+    for row0, n_rows in ((0, 197), (50, 100)):
+        assert program_order(causal.ks_host, causal.ke_host, row0, n_rows, 8) is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LogitsConfig(16, 16, 4, 3),
+        LogitsConfig(16, 16, 4, 3, q_groups=2, pair_relu="abs"),
+        LogitsConfig(16, 64, 4, 3, q_groups=4, pair_relu="abs"),
+    ],
+    ids=["g1", "g2-abs", "g4-abs"],
+)
+def test_heaviest_first_launch_gives_identical_scores(
+    prepared_row_h16: tuple, config: LogitsConfig
+) -> None:
+    # With the host's ranges the programs run in program_order's order (every block once,
+    # whatever the order): bitwise the scores of the kernel's own order, also in a row window.
+    p, _ = prepared_row_h16
+    for row0, n_rows in ((0, 197), (37, 83)):
+        order = program_order(p.ks_host, p.ke_host, row0, n_rows, p.heads, config)
+        assert order is not None
+        outs = []
+        for o in (None, order, upload_order(order, torch.device("cpu"))):
+            out = torch.full((n_rows, 256), float("-inf"))
+            launch_logits(
+                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out, heads=p.heads, row0=row0,
+                n_rows=n_rows, col0=0, config=config, order=o,
+            )  # fmt: skip
+            outs.append(out.view(torch.int32))
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(ValueError, match=r"order has 3 entries for \d+ programs"):
+        launch_logits(
+            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out, heads=p.heads, row0=0, n_rows=197,
+            col0=0, config=config, order=np.arange(3, dtype=np.int32),
+        )  # fmt: skip
 
 
 def test_chain_and_tree_head_sums_both_match_the_reference(prepared_row: tuple) -> None:
@@ -195,29 +304,38 @@ def test_logits_config_rejects_bad_values() -> None:
         LogitsConfig(key_mask="never")
     with pytest.raises(ValueError, match=r"LogitsConfig\.head_sum"):
         LogitsConfig(head_sum="sorted")
-    with pytest.raises(ValueError, match=r"LogitsConfig\.q_groups"):
+    with pytest.raises(ValueError, match=r"LogitsConfig\.q_groups=3: must be 1, 2 or 4"):
         LogitsConfig(q_groups=3)
     with pytest.raises(ValueError, match=r"q_groups=2 needs schedule='serial'"):
         LogitsConfig(q_groups=2, schedule="pipelined")
+    with pytest.raises(ValueError, match=r"q_groups=4 needs schedule='serial'"):
+        LogitsConfig(q_groups=4, schedule="pipelined")
     with pytest.raises(ValueError, match=r"LogitsConfig\.pair_max_registers=300"):
         LogitsConfig(q_groups=2, pair_max_registers=300)
-    with pytest.raises(ValueError, match=r"pair_max_registers needs q_groups=2"):
+    with pytest.raises(ValueError, match=r"pair_max_registers needs q_groups 2 or 4"):
         LogitsConfig(pair_max_registers=168)
     assert LogitsConfig(q_groups=2, head_sum="chain", pair_max_registers=168).label == (
         "n128/k64/w4/s3/g2/chain/r168"
     )
-    # q_groups pairs up blocks of at most 2 queries (H >= 64 at block_n 128) only
+    # a program holds at most 4 queries: q_groups pairs up blocks of at most 2 queries (H >= 64
+    # at block_n 128), and 4 blocks a program need 1-query blocks
     assert [LogitsConfig(q_groups=2).groups(h) for h in (128, 64, 32, 8)] == [2, 2, 1, 1]
     assert LogitsConfig(16, q_groups=2).groups(8) == 2
+    assert [LogitsConfig(64, q_groups=4).groups(h) for h in (64, 32, 16)] == [4, 2, 1]
+    assert LogitsConfig(64, q_groups=4, pair_relu="abs").label == "n64/k64/w4/s3/g4/abs"
+    g4 = LogitsConfig(64, q_groups=4, pair_max_registers=128, pair_relu="abs")
+    assert [g4.max_registers(h) for h in (64, 32, 16)] == [128, 128, None]
+    assert [g4.abs_relu(h) for h in (64, 32, 16)] == [True, True, False]
     # the cap reaches two-block programs only (under it ptxas grows the H=32 kernel past 128)
     fixed = LogitsConfig(q_groups=2, pair_max_registers=168)
     assert [fixed.max_registers(h) for h in (64, 32)] == [168, None]
     assert LogitsConfig(schedule="pipelined", key_mask="always").label == "n128/k64/w4/s3/pipe/mask"
     with pytest.raises(ValueError, match=r"LogitsConfig\.pair_relu='min'"):
         LogitsConfig(q_groups=2, pair_relu="min")
-    with pytest.raises(ValueError, match=r"pair_relu='abs' needs q_groups=2 and head_sum='tree'"):
+    abs_needs = r"pair_relu='abs' needs q_groups 2 or 4 and head_sum='tree'"
+    with pytest.raises(ValueError, match=abs_needs):
         LogitsConfig(pair_relu="abs")
-    with pytest.raises(ValueError, match=r"pair_relu='abs' needs q_groups=2 and head_sum='tree'"):
+    with pytest.raises(ValueError, match=abs_needs):
         LogitsConfig(q_groups=2, head_sum="chain", pair_relu="abs")
     # x + |x| reaches the two-block programs only (the one-block H=32 kernel lost with it)
     assert [FIXED_LOGITS_CONFIG.abs_relu(h) for h in (64, 32)] == [True, False]
