@@ -53,7 +53,7 @@ from kernels.fp8_indexer import (
     plan_chunks,
     prepare_inputs,
 )
-from kernels.logits import LogitsConfig, launch_logits, program_order, upload_order
+from kernels.logits import LogitsConfig, launch_logits
 from kernels.topk import ONE_LAUNCH_TOPK_CONFIG, SCAN_TOPK_CONFIG, TopkConfig, TopkWorkspace
 
 PROCESS_START = time.monotonic()  # --final's budget counts from here (after the imports)
@@ -152,32 +152,21 @@ def chunk_plan(p: PreparedInputs) -> list[tuple[int, int, int, int]]:
     return plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
 
 
-def logits_runner(
-    p: PreparedInputs, cfg: LogitsConfig, buf: torch.Tensor | None = None, ordered: bool = True
-):
+def logits_runner(p: PreparedInputs, cfg: LogitsConfig, buf: torch.Tensor | None = None):
     """All chunks' logits launches of a topk call, for timing one logits config alone.
 
     `buf` (from `logits_buffer(p)`) lets several runners share one chunk buffer (up to 8 GiB).
-    `ordered`: programs heaviest first, as a topk call launches them (False: latest first);
-    the orders are planned and copied here, outside the timed launches (a topk call plans
-    each chunk's while the previous chunk runs).
     """
     chunks = chunk_plan(p)
     if buf is None:
         buf = logits_buffer(p)
-    orders = [
-        upload_order(program_order(p.ks_host, p.ke_host, r0, r1 - r0, p.heads, cfg), p.q8.device)
-        if ordered
-        else None
-        for r0, r1, _, _ in chunks
-    ]
 
     def run() -> None:
-        for (r0, r1, col0, width), order in zip(chunks, orders, strict=True):
+        for r0, r1, col0, width in chunks:
             out = buf[: (r1 - r0) * width].view(r1 - r0, width)
             launch_logits(
                 p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
-                heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, config=cfg, order=order,
+                heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, config=cfg,
             )  # fmt: skip
 
     return run
@@ -201,17 +190,13 @@ def _warm_one(job: tuple) -> tuple[str, float]:
     ks, ke = ks.cuda(), ke.cuda()
     regs = ""
     if kind == "logits":
-        # a causal row (the kernel's own order) and a packed one (an order array): both binaries
-        for packed in (False, True):
-            ks, ke = (x.cuda() for x in row_ranges(256, packed))
-            p = prepare_inputs(q, k, w, ks, ke)
-            out = torch.empty((256, p.k8.shape[0]), dtype=torch.float32, device=q.device)
-            kern = launch_logits(
-                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
-                heads=p.heads, row0=0, n_rows=256, col0=0, config=cfg,
-                order=program_order(p.ks_host, p.ke_host, 0, 256, p.heads, cfg),
-            )  # fmt: skip
-            regs = f" (registers {kern.n_regs}, spills {kern.n_spills})"
+        p = prepare_inputs(q, k, w, ks, ke)
+        out = torch.empty((256, p.k8.shape[0]), dtype=torch.float32, device=q.device)
+        kern = launch_logits(
+            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
+            heads=p.heads, row0=0, n_rows=256, col0=0, config=cfg,
+        )  # fmt: skip
+        regs = f" (registers {kern.n_regs}, spills {kern.n_spills})"
     else:
         fp8_indexer_topk(q, k, w, ks, ke, TOPK, config=dataclasses.replace(FIXED_CONFIG, topk=cfg))
     torch.cuda.synchronize()

@@ -99,14 +99,13 @@ class AutotunedLogits:
         n_rows: int,
         col0: int,
         config: LogitsConfig | None = None,  # ignored: the autotuner picks
-        order: object = None,  # ignored: the old launcher runs the latest query blocks first
     ) -> None:
         if n_rows <= 0:
             return
         kernel = self._kernel(heads)
         grid = lambda meta: (triton.cdiv(triton.cdiv(n_rows, meta["BLOCK_Q"]), meta["GROUPS"]),)  # noqa: E731
         kernel[grid](
-            q8, wq, k8, k_scale, ks, ke, out, ks, row0, n_rows, k8.shape[0], col0, out.stride(0),
+            q8, wq, k8, k_scale, ks, ke, out, row0, n_rows, k8.shape[0], col0, out.stride(0),
             H=heads, D=q8.shape[1],
         )  # fmt: skip
 

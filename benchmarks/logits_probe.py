@@ -6,10 +6,8 @@
         --launch-count 1 -o $OUT/fixed python3 benchmarks/logits_probe.py --profile
 
 Times, interleaved at each shape (round-robin, >= 3 ms of launches a sample, medians), the
-fixed config (its programs heaviest first, as a topk call launches them) against:
+fixed config against:
 
-- `fixed, latest first`: the kernel's own program order (heaviest first in one causal document
-  only);
 - `v9 fixed`: the shared key tiles with relu as max(x, 0); `v8`: one query block a program;
 - 1-query blocks at H = 64 (`n64/...`): in pairs (the sweep's lead at several shapes), with
   x + |x|, and in fours (`g4`: each key tile shared four ways, as in the fixed config's two
@@ -37,9 +35,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -68,8 +64,6 @@ from kernels.logits import (
     _key_tile,
     _query_block,
     launch_logits,
-    program_order,
-    upload_order,
 )
 
 TITLE = "fp8 indexer (issue 5): where the logits kernel's time goes"
@@ -204,22 +198,22 @@ def probe_runner(p, buf: torch.Tensor, cfg: LogitsConfig, epi: int, tma: bool) -
 
 
 class Variant(NamedTuple):
-    """A kernel to time: the repo kernel with `cfg` (epi None; programs heaviest first unless
-    not `ordered`), or the probe kernel with cfg's blocks and one stage changed (epi, tma)."""
+    """A kernel to time: the repo kernel with `cfg` (epi None), or the probe kernel with cfg's
+    blocks and one stage changed (epi, tma)."""
 
     cfg: LogitsConfig
     epi: int | None = None
     tma: bool = False
     same: bool = True  # must give the repo kernel's scores for cfg
-    ordered: bool = True
     h32: bool = False  # a kernel of its own at H = 32 (else it runs one timed already)
 
 
 FIXED_NAME = f"fixed ({FIXED_LOGITS_CONFIG.label})"
-# v11: the 1-query-block candidates (H = 64) and the heavy-first program order
+# v11: the 1-query-block candidates (H = 64). v11 also tried launching the programs heaviest
+# first (an order array planned on the host from ks / ke): no faster on the H200 (two probes
+# in RESULTS.md, 2026-12-03 17:48 and 17:54 UTC), at 0.2-0.8 ms of host time a call: removed.
 CANDIDATES: dict[str, Variant] = {
     FIXED_NAME: Variant(FIXED_LOGITS_CONFIG, h32=True),
-    "fixed, latest first": Variant(FIXED_LOGITS_CONFIG, ordered=False, h32=True),
     f"v9 fixed ({V9.label})": Variant(V9),
     f"v8 ({V8.label})": Variant(V8),
     # at H = 32 both run 2-query blocks in pairs: one row
@@ -243,7 +237,7 @@ VARIANTS: dict[str, Variant] = {
 def _runner(p, buf, name: str) -> Callable:
     v = VARIANTS[name]
     if v.epi is None:
-        return logits_runner(p, v.cfg, buf, ordered=v.ordered)
+        return logits_runner(p, v.cfg, buf)
     return probe_runner(p, buf, v.cfg, v.epi, v.tma)
 
 
@@ -298,7 +292,6 @@ def probe(out: Path | None) -> dict:
                 "shape": shape,
                 "ms": ms,
                 "tflops": {n: flops / (v * 1e9) for n, v in ms.items()},
-                "order_host_ms": order_host_ms(p),
             }
         )
         print(shape, json.dumps({n: round(v, 4) for n, v in ms.items()}), flush=True)
@@ -311,19 +304,6 @@ def probe(out: Path | None) -> dict:
         (out / "logits_probe.md").write_text(res["markdown"])
     print(res["markdown"], flush=True)
     return res
-
-
-def order_host_ms(p, reps: int = 20) -> float:
-    """Median host time of a topk call's program orders (every chunk, copies included)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for r0, r1, _, _ in chunk_plan(p):
-            o = program_order(p.ks_host, p.ke_host, r0, r1 - r0, p.heads, FIXED_LOGITS_CONFIG)
-            upload_order(o, p.q8.device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def markdown(res: dict) -> str:
@@ -340,13 +320,9 @@ def markdown(res: dict) -> str:
             row.append(f"{r['ms'][name]:.3f} ({r['ms'][name] / base:.3f}), {r['tflops'][name]:.0f}")
         body.append(row)
     checks = ", ".join(f"{k}: {v}" for k, v in res["bitwise"].items())
-    if all("order_host_ms" in r for r in shapes):  # not in the runs before v11's second
-        body.append(
-            ["host ms of the program orders", *(f"{r['order_host_ms']:.3f}" for r in shapes)]
-        )
     return (
-        f"Measured {res['date']}. Logits ms (ratio to the fixed config, programs heaviest "
-        f"first), TFLOP/s; interleaved, {ROUNDS} rounds, medians. A dash: at H=32 the config "
+        f"Measured {res['date']}. Logits ms (ratio to the fixed config), TFLOP/s; "
+        f"interleaved, {ROUNDS} rounds, medians. A dash: at H=32 the config "
         "runs a kernel timed in another row. Diagnostic rows compute wrong scores.\n\n"
         + markdown_table(head, body)
         + "\n\n"

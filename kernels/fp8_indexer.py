@@ -37,7 +37,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, launch_logits, program_order
+from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, launch_logits
 from kernels.order import order_topk
 from kernels.quant import quantize_fp8
 from kernels.topk import (
@@ -345,7 +345,6 @@ def indexer_topk_prepared(
         launch(
             p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
             heads=p.heads, row0=r0, n_rows=n, col0=col0, config=config.logits,
-            order=program_order(p.ks_host, p.ke_host, r0, n, p.heads, config.logits),
         )  # fmt: skip
         if ws is None:
             ws = TopkWorkspace.allocate(max_rows, topk, config.topk, dev)
@@ -473,7 +472,6 @@ def _finish_flagged_rows(
             launch(
                 p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
                 heads=p.heads, row0=a, n_rows=n, col0=col0, config=config.logits,
-                order=program_order(p.ks_host, p.ke_host, a, n, p.heads, config.logits),
             )  # fmt: skip
             out[a : a + n] = topk_rows_torch(
                 logits, col0, p.ks[a : a + n], p.ke[a : a + n], topk, p.s_k
@@ -559,6 +557,5 @@ def fp8_indexer_logits(
     launch_logits(
         p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
         heads=p.heads, row0=0, n_rows=p.s_q, col0=0, config=config.logits,
-        order=program_order(p.ks_host, p.ke_host, 0, p.s_q, p.heads, config.logits),
     )  # fmt: skip
     return out[:, : p.s_k]

@@ -49,7 +49,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -73,23 +72,26 @@ class LogitsConfig:
     a flop, at 168 registers (`pair_max_registers=168`; ptxas takes 200 uncapped), so 3
     programs an SM. Blocks of 4 or more queries (H <= 32) stay one a program: a second one
     needs 216 registers, spills under the cap, and lost at every H = 32 shape (v9 in
-    docs/KERNELS.md). `groups(heads)` is the count that runs. Serial schedule only; same
-    per-score arithmetic: identical scores.
+    docs/KERNELS.md). `q_groups=4`: four blocks a program, which need 1-query blocks (H = 64
+    at block_n 64; 2-query blocks pair up): the same K-tile reads a flop as two 2-query blocks
+    at ~123 registers, yet 7-30% slower than the fixed config on the H200 with 2 or 3 stages
+    (v11 in docs/KERNELS.md). `groups(heads)` is the count that runs: at most 4 queries a
+    program. Serial schedule only; same per-score arithmetic: identical scores.
     `head_sum`: "tree" is Triton's pairwise in-thread sum of relu(product) x weight over a
     thread's heads (an fmul, an ffma and an fadd a pair); "chain" is one chain of fmas (16 at
     H = 64, then 2 shuffles): 240 instead of 268 sm_90 instructions a tile a warp, yet no
     faster on the H200 at H = 64 and slower at H = 32, where it needs 134 registers (v9 in
     docs/KERNELS.md). The two round differently: scores differ in the last bits.
-    `pair_max_registers`: ptxas register cap (`maxnreg`) of the two-block programs; one-block
+    `pair_max_registers`: ptxas register cap (`maxnreg`) of the multi-block programs; one-block
     programs are never capped (under a 168 cap ptxas gives the H = 32 kernel 139 registers
     instead of 128: 3 programs an SM instead of 4, 11% slower). None leaves ptxas its choice.
-    `pair_relu`: how the two-block programs' tree head sum takes relu(x) * wq. "max" is
+    `pair_relu`: how the multi-block programs' tree head sum takes relu(x) * wq. "max" is
     max(x, 0) * wq (FMNMX, on the ALU pipe); "abs" is (x + |x|) * (wq / 2) (an FADD with an
     |x| operand, on the FMA pipe; wq halved once a program). The products are equal (x + |x|
     = 2x or +0, and halving wq is exact unless |wq| < 2^-125), so the scores are identical
     (checked bitwise on the H200). 0.6-2.3% faster at H = 64 from 16K in the three H200 runs
     of v10, 3-6% slower in the one-block H = 32 kernel, which therefore keeps "max" (as does
-    the chain head sum, where "abs" lost too). Two-block programs only, like the cap.
+    the chain head sum, where "abs" lost too). Multi-block programs only, like the cap.
     """
 
     block_n: int = 128
@@ -303,7 +305,6 @@ def _indexer_logits_kernel(
     ks_ptr,
     ke_ptr,
     out_ptr,
-    order_ptr,
     row0,
     n_rows,
     S_k,
@@ -318,7 +319,6 @@ def _indexer_logits_kernel(
     GROUPS: tl.constexpr = 1,
     CHAIN: tl.constexpr = False,
     ABS_RELU: tl.constexpr = False,
-    ORDERED: tl.constexpr = False,
 ):
     """Scores of this program's queries over the key tiles of [lo, hi).
 
@@ -333,14 +333,10 @@ def _indexer_logits_kernel(
     GROUPS = 2 (serial only): the program owns query blocks 2b and 2b + 1 and runs both over
     each key tile, which is loaded once. ABS_RELU (GROUPS = 2, tree head sum): relu(x) * wq is
     (x + |x|) * (wq / 2), the same products (`LogitsConfig.pair_relu`). GROUPS = 4: blocks
-    4b to 4b + 3 likewise. ORDERED: program i runs block group order_ptr[i] (`program_order`);
-    otherwise the latest group first, which is the heaviest first in one causal document.
+    4b to 4b + 3 likewise.
     """
-    if ORDERED:
-        grp = tl.load(order_ptr + tl.program_id(0))
-    else:
-        grp = tl.cdiv(tl.cdiv(n_rows, BLOCK_Q), GROUPS) - 1 - tl.program_id(0)
-    blk = grp * GROUPS
+    n_groups = tl.cdiv(tl.cdiv(n_rows, BLOCK_Q), GROUPS)
+    blk = (n_groups - 1 - tl.program_id(0)) * GROUPS  # heaviest (latest) query blocks first
     ks, ke, lo, hi, q_t, wq, out_rows, d = _query_block(
         q_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk,
         H, D, BLOCK_Q,
@@ -408,59 +404,6 @@ def _indexer_logits_kernel(
         _tile_epilogue(acc, wq, ksc, offs, ks, ke, out_rows, BLOCK_K, BLOCK_Q, H, CHAIN)
 
 
-def program_order(
-    ks_host: np.ndarray,
-    ke_host: np.ndarray,
-    row0: int,
-    n_rows: int,
-    heads: int,
-    config: LogitsConfig = FIXED_LOGITS_CONFIG,
-) -> np.ndarray | None:
-    """The kernel's programs heaviest first: block-group indices by key tiles, most first.
-
-    A program's work is the key tiles over [min ks, max ke) of its rows (every block of the
-    program runs every tile), counted as the kernel counts them. Ties keep the kernel's own
-    order, the latest group first, so one causal document (tiles never falling as the rows go
-    on) gives exactly that order: then None, and the kernel needs no order array. In a packed
-    row the heaviest groups end the longest document, wherever it lies.
-    """
-    rows = config.block_q(heads) * config.groups(heads)
-    if n_rows <= 0:
-        return None
-    n_prog = -(-n_rows // rows)
-    pad = n_prog * rows - n_rows
-    lo = _fold(np.minimum, ks_host[row0 : row0 + n_rows], n_prog, pad, np.iinfo(np.int32).max)
-    hi = _fold(np.maximum, ke_host[row0 : row0 + n_rows], n_prog, pad, 0)
-    bk = config.block_k
-    tiles = np.maximum(0, -(-(hi - lo // bk * bk) // bk))
-    if np.all(tiles[1:] >= tiles[:-1]):
-        return None
-    # a stable sort of the groups in latest-first order, most tiles first: numpy sorts 16-bit
-    # keys stably by radix (10x faster than int64 keys at 16K programs)
-    key = tiles.max() - tiles[::-1]
-    key = key.astype(np.uint16) if key.max() < 1 << 16 else key
-    return (n_prog - 1 - np.argsort(key, kind="stable")).astype(np.int32)
-
-
-def upload_order(order: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    """`program_order`'s array on `device`: a small asynchronous copy from pageable memory
-    (staged by the driver; pinning each array costs more host time than the copy)."""
-    if order is None:
-        return None
-    return torch.from_numpy(order).to(device, non_blocking=True)
-
-
-def _fold(op, x: np.ndarray, n_prog: int, pad: int, fill: int) -> np.ndarray:
-    """op over each program's `x` values (int64 [n_prog]): pairwise over strided columns, which
-    numpy runs ~10x faster than `op.reduceat` or a reduce along a short last axis."""
-    if pad:
-        x = np.concatenate([x, np.full(pad, fill, dtype=x.dtype)])
-    x = x.reshape(n_prog, -1)
-    while x.shape[1] > 1:
-        x = op(x[:, 0::2], x[:, 1::2])
-    return x[:, 0].astype(np.int64)
-
-
 def launch_logits(
     q8: torch.Tensor,
     wq: torch.Tensor,
@@ -475,15 +418,12 @@ def launch_logits(
     n_rows: int,
     col0: int,
     config: LogitsConfig = FIXED_LOGITS_CONFIG,
-    order: np.ndarray | torch.Tensor | None = None,
 ):
     """Write scores of queries [row0, row0 + n_rows) into out[0:n_rows, s - col0] (in-range only).
 
     `q8` is [S_q * heads, D] fp8, `k8` [S_kp, D] fp8; see the module docstring for the rules.
-    `order`: the programs' block groups in launch order, `program_order`'s (on the host: copied
-    here) or that copied to the device; None runs the latest group first. The scores are the
-    same either way. Returns Triton's handle of the launched kernel (None when there are no rows),
-    whose `n_regs` / `n_spills` the benchmarks report.
+    Returns Triton's handle of the launched kernel (None when there are no rows), whose
+    `n_regs` / `n_spills` the benchmarks report.
     """
     d = q8.shape[1]
     block_q = config.block_q(heads)
@@ -495,10 +435,6 @@ def launch_logits(
     grid = (triton.cdiv(triton.cdiv(n_rows, block_q), groups),)
     regs = config.max_registers(heads)
     extra = {} if regs is None else {"maxnreg": regs}
-    if isinstance(order, np.ndarray):
-        order = upload_order(order, q8.device)
-    if order is not None and order.numel() != grid[0]:
-        raise ValueError(f"order has {order.numel()} entries for {grid[0]} programs")
     return _indexer_logits_kernel[grid](
         q8,
         wq,
@@ -507,7 +443,6 @@ def launch_logits(
         ks,
         ke,
         out,
-        ks if order is None else order,
         row0,
         n_rows,
         s_k,
@@ -522,7 +457,6 @@ def launch_logits(
         GROUPS=groups,
         CHAIN=config.head_sum == "chain",
         ABS_RELU=config.abs_relu(heads),
-        ORDERED=order is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **extra,

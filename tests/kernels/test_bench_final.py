@@ -163,28 +163,28 @@ def test_clock_probe_table_names_configs_and_leaves_out_cold_energy() -> None:
 
 
 def test_logits_probe_table_takes_ratios_to_the_fixed_config() -> None:
-    # every shape's ratios are to the fixed config (heaviest first); a variant not run at a
-    # shape (at H=32 the shared-tile configs run v8's kernel) shows "-"
-    from benchmarks.logits_probe import FIXED_NAME, V8, markdown
+    # every shape's ratios are to the fixed config; a variant not run at a shape (at H=32 the
+    # shared-tile configs run v8's kernel) shows "-"
+    from benchmarks.logits_probe import FIXED_NAME, V8, V9, markdown
 
-    v8 = f"v8 ({V8.label})"
+    v8, v9 = f"v8 ({V8.label})", f"v9 fixed ({V9.label})"
     res = {
         "date": "2026-12-04 10:00 UTC",
-        "bitwise": {"H=64 fixed, latest first": True, "H=64 n64/k64/w4/s3/g4/abs": False},
+        "bitwise": {"H=64 v8 (n128/k64/w4/s3)": True, "H=64 n64/k64/w4/s3/g4/abs": False},
         "shapes": [
-            {"shape": "H=64 S=16K causal", "ms": {FIXED_NAME: 2.0, v8: 2.2},
-             "tflops": {FIXED_NAME: 1000.0, v8: 909.1}},
-            {"shape": "H=32 S=16K causal", "ms": {FIXED_NAME: 1.2, "fixed, latest first": 1.5},
-             "tflops": {FIXED_NAME: 900.0, "fixed, latest first": 720.0}},
+            {"shape": "H=64 S=16K causal", "ms": {FIXED_NAME: 2.0, v9: 2.2},
+             "tflops": {FIXED_NAME: 1000.0, v9: 909.1}},
+            {"shape": "H=32 S=16K causal", "ms": {FIXED_NAME: 1.2, v8: 1.5},
+             "tflops": {FIXED_NAME: 900.0, v8: 720.0}},
         ],
     }  # fmt: skip
     text = markdown(res)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()}
     assert rows[FIXED_NAME].endswith("| 2.000 (1.000), 1000 | 1.200 (1.000), 900 |")
-    assert rows[v8].endswith("| 2.200 (1.100), 909 | - |")
-    assert rows["fixed, latest first"].endswith("| - | 1.500 (1.250), 720 |")
+    assert rows[v9].endswith("| 2.200 (1.100), 909 | - |")
+    assert rows[v8].endswith("| - | 1.500 (1.250), 720 |")
     assert rows["n64/k64/w4/s3/g4/abs"].endswith("| - | - |")
-    assert "H=64 fixed, latest first: True, H=64 n64/k64/w4/s3/g4/abs: False" in text
+    assert "H=64 v8 (n128/k64/w4/s3): True, H=64 n64/k64/w4/s3/g4/abs: False" in text
 
 
 def test_event_ms_times_batches_of_back_to_back_calls(monkeypatch) -> None:

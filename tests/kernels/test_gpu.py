@@ -25,7 +25,6 @@ from kernels import (
     reference_topk,
     topk_rows_torch,
 )
-from kernels.logits import launch_logits, program_order
 from kernels.order import finish_topk, order_topk
 from kernels.topk import (
     BALLOT_BLOCKS,
@@ -208,7 +207,6 @@ def test_topk_variants_equal_the_exact_torch_path(causal: bool, name: str) -> No
 
 
 def test_logits_variants_equal_the_masked_serial_kernel() -> None:
-    # packed rows: the programs run heaviest first (an order array) in every launch here
     ks, ke = packed_ranges(DOCS)
     q, k, w = random_inputs(4096, 64, 128, seed=8, device="cuda")
     ks, ke = ks.cuda(), ke.cuda()
@@ -236,23 +234,6 @@ def test_logits_variants_equal_the_masked_serial_kernel() -> None:
     ):
         got = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=cfg))
         assert torch.equal(got.view(torch.int32), base.view(torch.int32)), cfg.label
-
-
-def test_heaviest_first_order_gives_the_same_scores() -> None:
-    # a packed row through the fixed config, with and without the order array
-    ks, ke = packed_ranges(DOCS)
-    q, k, w = random_inputs(4096, 64, 128, seed=9, device="cuda")
-    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
-    assert program_order(p.ks_host, p.ke_host, 0, 4096, 64) is not None
-    outs = []
-    for order in (None, program_order(p.ks_host, p.ke_host, 0, 4096, 64)):
-        out = torch.full((4096, p.k8.shape[0]), float("-inf"), device="cuda")
-        launch_logits(
-            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
-            heads=64, row0=0, n_rows=4096, col0=0, order=order,
-        )  # fmt: skip
-        outs.append(out)
-    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
 
 
 @triton.jit

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from kernels import (
     prepare_inputs,
     reference_logits,
 )
-from kernels.logits import launch_logits, program_order, upload_order
+from kernels.logits import launch_logits
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 
@@ -216,74 +215,6 @@ def test_four_block_programs_give_identical_scores(
     assert torch.equal(fin, torch.isfinite(got))
     assert ((got[fin] - ref[fin]).norm() / ref[fin].norm()).item() <= 1e-5
     _assert_windows_equal(p, config, got)
-
-
-def _tiles(p, order: np.ndarray, config: LogitsConfig, row0: int, n_rows: int) -> list[int]:
-    """Key tiles of each program in `order`, counted from its rows one by one."""
-    rows = config.block_q(p.heads) * config.groups(p.heads)
-    out = []
-    for g in order:
-        a, b = row0 + g * rows, min(row0 + n_rows, row0 + (g + 1) * rows)
-        lo, hi = int(p.ks_host[a:b].min()), int(p.ke_host[a:b].max())
-        start = lo // config.block_k * config.block_k
-        out.append(max(0, -(-(hi - start) // config.block_k)))
-    return out
-
-
-def test_program_order_is_heaviest_first_and_none_for_one_causal_document() -> None:
-    ks, ke = packed_ranges([70, 3, 90, 29], pad=5)
-    q, k, w = random_inputs(ks.numel(), 8, 64, seed=31)
-    p = prepare_inputs(q, k, w, ks, ke)
-    for config in (LogitsConfig(16, 16, 4, 3), LogitsConfig(16, 16, 4, 3, q_groups=2)):
-        for row0, n_rows in ((0, 197), (37, 83)):
-            order = program_order(p.ks_host, p.ke_host, row0, n_rows, p.heads, config)
-            assert order is not None and order.dtype == np.int32
-            per = config.block_q(p.heads) * config.groups(p.heads)
-            assert sorted(order.tolist()) == list(range(-(-n_rows // per)))
-            tiles = _tiles(p, order, config, row0, n_rows)
-            assert tiles == sorted(tiles, reverse=True)
-            # equal work keeps the kernel's own order: the latest group first
-            for i in range(len(order) - 1):
-                assert tiles[i] > tiles[i + 1] or order[i] > order[i + 1]
-    # the 90-token document's last blocks are the heaviest, though it ends 34 rows early
-    assert program_order(p.ks_host, p.ke_host, 0, 197, 8, LogitsConfig(16, 16, 4, 3))[0] == 81
-    causal = prepare_inputs(q, k, w, *packed_ranges([197]))
-    for row0, n_rows in ((0, 197), (50, 100)):
-        assert program_order(causal.ks_host, causal.ke_host, row0, n_rows, 8) is None
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        LogitsConfig(16, 16, 4, 3),
-        LogitsConfig(16, 16, 4, 3, q_groups=2, pair_relu="abs"),
-        LogitsConfig(16, 64, 4, 3, q_groups=4, pair_relu="abs"),
-    ],
-    ids=["g1", "g2-abs", "g4-abs"],
-)
-def test_heaviest_first_launch_gives_identical_scores(
-    prepared_row_h16: tuple, config: LogitsConfig
-) -> None:
-    # With the host's ranges the programs run in program_order's order (every block once,
-    # whatever the order): bitwise the scores of the kernel's own order, also in a row window.
-    p, _ = prepared_row_h16
-    for row0, n_rows in ((0, 197), (37, 83)):
-        order = program_order(p.ks_host, p.ke_host, row0, n_rows, p.heads, config)
-        assert order is not None
-        outs = []
-        for o in (None, order, upload_order(order, torch.device("cpu"))):
-            out = torch.full((n_rows, 256), float("-inf"))
-            launch_logits(
-                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out, heads=p.heads, row0=row0,
-                n_rows=n_rows, col0=0, config=config, order=o,
-            )  # fmt: skip
-            outs.append(out.view(torch.int32))
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    with pytest.raises(ValueError, match=r"order has 3 entries for \d+ programs"):
-        launch_logits(
-            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out, heads=p.heads, row0=0, n_rows=197,
-            col0=0, config=config, order=np.arange(3, dtype=np.int32),
-        )  # fmt: skip
 
 
 def test_chain_and_tree_head_sums_both_match_the_reference(prepared_row: tuple) -> None:
