@@ -29,6 +29,7 @@ RESULTS.md section under "markdown", indexer_final.md), so a run cut short keeps
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -79,7 +80,8 @@ TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 # reloading wq each tile instead of holding it (128 registers) 1.1-1.4x slower: neither is
 # re-measured. The sweep (SWEEP_CONFIGS) holds the other shared-tile and one-block neighbours.
 LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
-    FIXED_LOGITS_CONFIG,
+    FIXED_LOGITS_CONFIG,  # since v11: launches under 2^25 scores one block a program
+    dataclasses.replace(FIXED_LOGITS_CONFIG, group_min_scores=None),  # v10's fixed config
     LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168),  # v9's fixed config
     LogitsConfig(128, 64, 4, 3),  # v2-v8's
 )

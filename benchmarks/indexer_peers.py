@@ -25,14 +25,15 @@ import torch
 import triton
 
 from kernels.fp8_indexer import FIXED_CONFIG, IndexerConfig, indexer_topk_prepared, prepare_inputs
-from kernels.logits import LogitsConfig, _indexer_logits_kernel
+from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, _indexer_logits_kernel
 
 # The config space: block_n (queries x heads per program), block_k, warps, stages. Every entry
 # compiles without spills for H = 32 and 64, D = 128 on sm_90 (ptxas resource report). The
 # first H200 run's three slowest (block_k 128 with 8 warps or 2 stages) made way for block_n 64
 # and 2-stage variants of the winner.
 SWEEP_CONFIGS: tuple[LogitsConfig, ...] = (
-    LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168, pair_relu="abs"),  # fixed
+    FIXED_LOGITS_CONFIG,  # since v11: launches under 2^25 scores one block a program
+    dataclasses.replace(FIXED_LOGITS_CONFIG, group_min_scores=None),  # the fixed config of v10
     LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168),  # the fixed config of v9
     LogitsConfig(128, 64, 4, 4, q_groups=2, pair_max_registers=168, pair_relu="abs"),
     LogitsConfig(128, 64, 4, 2, q_groups=2, pair_max_registers=168, pair_relu="abs"),
@@ -61,21 +62,30 @@ class AutotunedLogits:
 
     def _kernel(self, heads: int) -> Callable:
         if heads not in self._tuned:
-            cfgs = [
-                triton.Config(
-                    {
-                        "BLOCK_Q": c.block_n // heads,
-                        "BLOCK_K": c.block_k,
-                        "GROUPS": c.groups(heads),
-                        "CHAIN": c.head_sum == "chain",
-                        "ABS_RELU": c.abs_relu(heads),
-                    },
-                    num_warps=c.num_warps,
-                    num_stages=c.num_stages,
-                    maxnreg=c.max_registers(heads),
-                )
+            # one triton.Config a distinct kernel (a config with group_min_scores tunes as its
+            # large launches' form, which the sweep also holds: v10's fixed config)
+            params = {
+                (
+                    c.block_n // heads,
+                    c.block_k,
+                    c.groups(heads),
+                    c.head_sum == "chain",
+                    c.abs_relu(heads),
+                    c.num_warps,
+                    c.num_stages,
+                    c.max_registers(heads),
+                ): None
                 for c in self.configs
                 if c.block_n >= heads
+            }
+            cfgs = [
+                triton.Config(
+                    {"BLOCK_Q": bq, "BLOCK_K": bk, "GROUPS": g, "CHAIN": ch, "ABS_RELU": ab},
+                    num_warps=nw,
+                    num_stages=ns,
+                    maxnreg=regs,
+                )
+                for bq, bk, g, ch, ab, nw, ns, regs in params
             ]
             # the exact key count: the last tile is masked unless S_k is a multiple of BLOCK_K
             even = triton.heuristics({"EVEN_K": lambda a: a["S_k"] % a["BLOCK_K"] == 0})

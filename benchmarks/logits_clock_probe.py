@@ -57,7 +57,7 @@ FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.ac
 # three regimes: the energy a flop of each
 CONFIGS: tuple[LogitsConfig, ...] = (
     FIXED_LOGITS_CONFIG,
-    dataclasses.replace(FIXED_LOGITS_CONFIG, pair_relu="max"),
+    dataclasses.replace(FIXED_LOGITS_CONFIG, pair_relu="max", group_min_scores=None),
     LogitsConfig(128, 64, 4, 3),
 )
 

@@ -46,7 +46,7 @@ The fixed config and the sweep it came from are in docs/KERNELS.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -92,6 +92,11 @@ class LogitsConfig:
     (checked bitwise on the H200). 0.6-2.3% faster at H = 64 from 16K in the three H200 runs
     of v10, 3-6% slower in the one-block H = 32 kernel, which therefore keeps "max" (as does
     the chain head sum, where "abs" lost too). Multi-block programs only, like the cap.
+    `group_min_scores`: launches of fewer scores (rows x padded keys) than this run the
+    config's one-block form (`for_launch`): q_groups 1, no cap, max relu; the same scores.
+    Multi-block programs halve the grid, which small launches cannot fill (H = 64, 4K rows:
+    1024 programs for 132 SMs, 1.01-1.15x slower than one block a program in v10's and v11's
+    H200 runs). None: every launch runs the config as it is.
     """
 
     block_n: int = 128
@@ -104,6 +109,7 @@ class LogitsConfig:
     head_sum: Literal["tree", "chain"] = "tree"
     pair_max_registers: int | None = None
     pair_relu: Literal["max", "abs"] = "max"
+    group_min_scores: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -133,6 +139,10 @@ class LogitsConfig:
             raise ValueError(
                 "LogitsConfig.pair_relu='abs' needs q_groups 2 or 4 and head_sum='tree'"
             )
+        if self.group_min_scores is not None and self.group_min_scores < 1:
+            raise ValueError(
+                f"LogitsConfig.group_min_scores={self.group_min_scores}: must be >= 1 or None"
+            )
         if self.q_groups not in (1, 2, 4):
             raise ValueError(f"LogitsConfig.q_groups={self.q_groups}: must be 1, 2 or 4")
         if self.q_groups != 1 and self.schedule != "serial":
@@ -151,6 +161,15 @@ class LogitsConfig:
     def max_registers(self, heads: int) -> int | None:
         """ptxas register cap (`maxnreg`) for `heads` heads: multi-block programs only."""
         return self.pair_max_registers if self.groups(heads) > 1 else None
+
+    def for_launch(self, n_rows: int, n_keys: int) -> LogitsConfig:
+        """The config a launch of n_rows queries over n_keys (padded) keys runs: this one, or,
+        below `group_min_scores` scores, its one-block form (the same scores)."""
+        if self.group_min_scores is None or n_rows * n_keys >= self.group_min_scores:
+            return self
+        return replace(
+            self, q_groups=1, pair_max_registers=None, pair_relu="max", group_min_scores=None
+        )
 
     def abs_relu(self, heads: int) -> bool:
         """Whether the kernel for `heads` heads takes relu as x + |x| (multi-block programs only)."""
@@ -172,14 +191,24 @@ class LogitsConfig:
             tag += f"/r{self.pair_max_registers}"
         if self.pair_relu != "max":
             tag += f"/{self.pair_relu}"
+        if self.group_min_scores is not None:
+            tag += f"/g>={_count(self.group_min_scores)}"
         return tag
+
+
+def _count(n: int) -> str:
+    """n for a label: 33554432 -> 32M, 4096 -> 4K."""
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 # Chosen by the H200 sweeps recorded in docs/KERNELS.md (fixed for every row length): 128
 # (query, head) columns x 64 keys, one warpgroup, 3 stages. At H = 64 two 2-query blocks share
 # each key tile (q_groups, v9): 168 registers, 57 KB of shared memory, 3 programs an SM, relu
-# as x + |x| (v10). At H = 32 one 4-query block a program: 128 registers, 41 KB, 4 programs
-# an SM.
+# as x + |x| (v10); launches under 2^25 scores (4K rows at 4K keys) one block a program (v11).
+# At H = 32 one 4-query block a program: 128 registers, 41 KB, 4 programs an SM.
 FIXED_LOGITS_CONFIG = LogitsConfig(
     block_n=128,
     block_k=64,
@@ -188,6 +217,7 @@ FIXED_LOGITS_CONFIG = LogitsConfig(
     q_groups=2,
     pair_max_registers=168,
     pair_relu="abs",
+    group_min_scores=1 << 25,
 )
 
 
@@ -430,6 +460,7 @@ def launch_logits(
     if n_rows <= 0:
         return None
     s_k = k8.shape[0]
+    config = config.for_launch(n_rows, s_k)
     even_k = config.key_mask == "auto" and s_k % config.block_k == 0
     groups = config.groups(heads)
     grid = (triton.cdiv(triton.cdiv(n_rows, block_q), groups),)

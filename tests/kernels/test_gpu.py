@@ -25,6 +25,7 @@ from kernels import (
     reference_topk,
     topk_rows_torch,
 )
+from kernels.logits import launch_logits
 from kernels.order import finish_topk, order_topk
 from kernels.topk import (
     BALLOT_BLOCKS,
@@ -234,6 +235,27 @@ def test_logits_variants_equal_the_masked_serial_kernel() -> None:
     ):
         got = fp8_indexer_logits(q, k, w, ks, ke, config=IndexerConfig(logits=cfg))
         assert torch.equal(got.view(torch.int32), base.view(torch.int32)), cfg.label
+
+
+def test_small_launches_run_the_one_block_form() -> None:
+    # the fixed config's group_min_scores: 4K rows x 4K keys run one block a program (128
+    # registers at H=64), 8K x 8K the capped pairs (168), as every launch of v10's config
+    # does; the scores are the same either way
+    v10 = dataclasses.replace(FIXED_LOGITS_CONFIG, group_min_scores=None)
+    for s, regs in ((4096, 128), (8192, 168)):
+        ks, ke = packed_ranges([s // 2, s // 2])
+        q, k, w = random_inputs(s, 64, 128, seed=s, device="cuda")
+        p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+        outs = []
+        for c in (FIXED_LOGITS_CONFIG, v10):
+            out = torch.full((s, s), float("-inf"), device="cuda")
+            kern = launch_logits(
+                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
+                heads=64, row0=0, n_rows=s, col0=0, config=c,
+            )  # fmt: skip
+            outs.append(out.view(torch.int32))
+            assert kern.n_regs == (regs if c is FIXED_LOGITS_CONFIG else 168)
+        assert torch.equal(outs[0], outs[1])
 
 
 @triton.jit

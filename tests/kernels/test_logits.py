@@ -268,6 +268,16 @@ def test_logits_config_rejects_bad_values() -> None:
         LogitsConfig(pair_relu="abs")
     with pytest.raises(ValueError, match=abs_needs):
         LogitsConfig(q_groups=2, head_sum="chain", pair_relu="abs")
+    # small launches run the one-block form of a multi-block config
+    small = LogitsConfig(q_groups=2, pair_max_registers=168, pair_relu="abs", group_min_scores=64)
+    assert small.label == "n128/k64/w4/s3/g2/r168/abs/g>=64"
+    assert small.for_launch(8, 8) is small and small.for_launch(2, 64) is small
+    assert small.for_launch(7, 9) == LogitsConfig()
+    assert FIXED_LOGITS_CONFIG.for_launch(4096, 8192) is FIXED_LOGITS_CONFIG
+    assert FIXED_LOGITS_CONFIG.for_launch(4096, 4096) == LogitsConfig()
+    assert LogitsConfig(q_groups=2, group_min_scores=1 << 25).label.endswith("/g2/g>=32M")
+    with pytest.raises(ValueError, match=r"LogitsConfig\.group_min_scores=0: must be >= 1"):
+        LogitsConfig(group_min_scores=0)
     # x + |x| reaches the two-block programs only (the one-block H=32 kernel lost with it)
     assert [FIXED_LOGITS_CONFIG.abs_relu(h) for h in (64, 32)] == [True, False]
-    assert FIXED_LOGITS_CONFIG.label == "n128/k64/w4/s3/g2/r168/abs"
+    assert FIXED_LOGITS_CONFIG.label == "n128/k64/w4/s3/g2/r168/abs/g>=32M"
