@@ -4,7 +4,10 @@
 
 q [S_q, H, D] bf16, k [S_k, D] bf16 (one key head shared by all query heads), w [S_q, H],
 ks/ke [S_q] int32 in key coordinates: query t may select key s iff ks[t] <= s < ke[t] (a packed
-row gives ks = the document's start, ke = the query's position + 1).
+row gives ks = the document's start, ke = the query's position + 1). ks/ke may stay on the CPU
+while q, k, w are on a GPU (as `trainer_shim` hands them out): then the call never waits for the
+GPU before its first launch, where ranges on the GPU must first be copied back to plan the
+chunks (`prepare_inputs`).
 
 - q and k are quantized per vector to fp8 e4m3 with power-of-two scales (`kernels.quant`).
 - score[t, s] = k_scale[s] * sum_h (w[t,h] * q_scale[t,h]) * relu(q8[t,h] . k8[s]), fp32
@@ -124,9 +127,15 @@ def _check_inputs(
     for name, x in (("q", q), ("k", k), ("w", w)):
         if not x.is_floating_point():
             raise ValueError(f"{name} must be floating point (bf16 expected), got {x.dtype}")
-    devs = {x.device for x in (q, k, w, ks, ke)}
+    devs = {x.device for x in (q, k, w)}
     if len(devs) != 1:
-        raise ValueError(f"q, k, w, ks, ke must share one device, got {sorted(map(str, devs))}")
+        raise ValueError(f"q, k, w must share one device, got {sorted(map(str, devs))}")
+    dev = q.device
+    if ks.device != ke.device or ks.device not in (dev, torch.device("cpu")):
+        raise ValueError(
+            f"ks and ke must both be on q's device ({dev}) or both on the CPU, got "
+            f"{ks.device} and {ke.device}"
+        )
 
 
 def _extreme(scale: torch.Tensor) -> torch.Tensor:
@@ -156,10 +165,14 @@ def prepare_inputs(
 ) -> PreparedInputs:
     """Validate, quantize and pad; raises ValueError on bad shapes, ranges or non-finite values.
 
-    On a GPU the copy of ks and ke to the host is queued first (asynchronous, into pinned
-    memory), then the quantizers, which read no ranges; the host waits for the copy alone and
-    checks the ranges (and `indexer_topk_prepared` plans and queues the chunks) while the
-    quantizers run. A bad range still raises before anything reads it. The finiteness of q, k
+    ks and ke on the CPU (q on a GPU): the host plans from them as they are and they are
+    copied to the GPU asynchronously (from pinned memory), so nothing here waits for the GPU:
+    the call's host work runs while the GPU still works through what was queued before it.
+    ks and ke on the GPU: their copy to the host is queued first (asynchronous, into pinned
+    memory), then the quantizers, which read no ranges; the host waits for the copy, i.e. for
+    all work queued before the call, and checks the ranges (and `indexer_topk_prepared` plans
+    and queues the chunks) while the quantizers run. A bad range raises before anything reads
+    it either way. The finiteness of q, k
     and w is four floats on the device (`_finite_flags`): checked here with one more transfer,
     or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it makes anyway at
     the end (`PreparedInputs.unchecked`); a non-finite input then still raises, after the
@@ -169,12 +182,16 @@ def prepare_inputs(
     s_q, h, d = q.shape
     s_k = k.shape[0]
     ranges = torch.cat([ks, ke])
+    copied = None
     if ranges.is_cuda:
         host_t = ranges.to("cpu", non_blocking=True)  # pinned: no sync
         copied = torch.cuda.Event()
         copied.record()
     else:
-        host_t, copied = ranges, None
+        host_t = ranges
+        if q.is_cuda:  # ranges from the host: pinned, so the copy waits for nothing
+            ranges = ranges.pin_memory().to(q.device, non_blocking=True)
+            ks, ke = ranges[:s_q], ranges[s_q:]
     q8, q_scale = quantize_fp8(q)
     k8, k_scale = quantize_fp8(k)
     if copied is not None:

@@ -27,6 +27,10 @@ Conventions (the data contract the trainer, the fp8 indexer and the GPU ablation
   query at row position p of a document starting at s may attend keys ``ks <= key < ke`` with
   ``ks = s`` and ``ke = p + 1`` (causal, inside its document). A padding position p gets the
   empty range ``ks = ke = p``: it selects no key (the indexer returns only its sentinel).
+  `PackedShardStream` also hands out ``ks_host`` / ``ke_host``: the same ranges as CPU tensors
+  when ``ks`` / ``ke`` went to the GPU. `kernels.fp8_indexer_topk` plans its chunks on the host
+  from them without waiting for the GPU (with ``ks`` / ``ke`` on the GPU it must copy them back
+  first, which waits for all work queued before the call).
 
 Every array is computed for the whole row, then this rank's positions are taken
 (`trainer_shim.cp`). All of it is vectorised numpy: ~15 array passes per row, no Python loop

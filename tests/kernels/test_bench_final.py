@@ -120,7 +120,8 @@ def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> Non
 
 
 @pytest.mark.parametrize(
-    "module", ["select_probe", "logits_clock_probe", "indexer_timeline", "logits_probe"]
+    "module",
+    ["select_probe", "logits_clock_probe", "indexer_timeline", "logits_probe", "indexer_sync"],
 )
 def test_probe_results_append_and_bad_files_are_refused(
     module: str, tmp_path: Path, monkeypatch
@@ -185,6 +186,18 @@ def test_logits_probe_table_takes_ratios_to_the_fixed_config() -> None:
     assert rows[v8].endswith("| - | 1.500 (1.250), 720 |")
     assert rows["n64/k64/w4/s3/g4/abs"].endswith("| - | - |")
     assert "H=64 v8 (n128/k64/w4/s3): True, H=64 n64/k64/w4/s3/g4/abs: False" in text
+
+
+def test_sync_probe_table_takes_the_difference_behind_queued_work() -> None:
+    from benchmarks.indexer_sync import markdown
+
+    ms = {"GPU, behind queued work": 6.5, "GPU, alone": 1.0, "CPU, behind queued work": 5.75,
+          "CPU, alone": 0.9}  # fmt: skip
+    res = {"date": "2026-12-04 10:00 UTC", "queued_ms": 5.01,
+           "shapes": [{"shape": "H=64 S=4K causal", "ms": ms, "same_indices": True}]}  # fmt: skip
+    text = markdown(res)
+    assert "| H=64 S=4K causal | 6.50 / 1.00 | 5.75 / 0.90 | 0.75 | True |" in text
+    assert "with 5.01 ms of GPU work queued before it" in text
 
 
 def test_event_ms_times_batches_of_back_to_back_calls(monkeypatch) -> None:

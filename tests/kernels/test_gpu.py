@@ -237,6 +237,27 @@ def test_logits_variants_equal_the_masked_serial_kernel() -> None:
         assert torch.equal(got.view(torch.int32), base.view(torch.int32)), cfg.label
 
 
+def test_ranges_from_the_host_give_the_same_indices_and_wait_for_nothing() -> None:
+    for docs in ([8192], DOCS + DOCS):
+        ks, ke = packed_ranges(docs)
+        q, k, w = random_inputs(ks.numel(), 64, 128, seed=len(docs), device="cuda")
+        want = fp8_indexer_topk(q, k, w, ks.cuda(), ke.cuda(), 2048)
+        assert torch.equal(fp8_indexer_topk(q, k, w, ks, ke, 2048), want)
+    # prepare_inputs returns while earlier GPU work still runs with host ranges, and only after
+    # it with device ranges (whose copy back to the host waits for it)
+    for on_host in (True, False):
+        r = (ks, ke) if on_host else (ks.cuda(), ke.cuda())
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s
+        done = torch.cuda.Event()
+        done.record()
+        p = prepare_inputs(q, k, w, *r, defer_finite_check=True)
+        assert done.query() != on_host
+        assert p.ks.is_cuda and p.ke.is_cuda
+        torch.cuda.synchronize()
+        assert torch.equal(p.ks.cpu(), ks) and torch.equal(p.ke.cpu(), ke)
+
+
 def test_small_launches_run_the_one_block_form() -> None:
     # the fixed config's group_min_scores: 4K rows x 4K keys run one block a program (128
     # registers at H=64), 8K x 8K the capped pairs (168), as every launch of v10's config

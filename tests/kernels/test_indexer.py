@@ -60,6 +60,12 @@ def test_bad_shapes_and_ranges_raise(device: str) -> None:
         fp8_indexer_topk(q, k[:100], w, ks, ke, 8)
     with pytest.raises(ValueError, match="topk=0"):
         fp8_indexer_topk(q, k, w, ks, ke, 0)
+    # ks/ke on q's device or on the CPU, both on the same one
+    meta = torch.empty(ks.shape, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"ks and ke must both be on q's device .* or both on"):
+        fp8_indexer_topk(q, k, w, meta, ke, 8)
+    with pytest.raises(ValueError, match=r"q, k, w must share one device"):
+        fp8_indexer_topk(q, k.to("meta"), w, ks, ke, 8)
 
 
 def test_plan_chunks_is_pure_and_bounded() -> None:

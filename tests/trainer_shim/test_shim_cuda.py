@@ -40,3 +40,7 @@ def test_cuda_stream_matches_cpu(small_dataset: Path, monkeypatch: pytest.Monkey
     for a, b in zip(cpu, gpu, strict=True):
         for k in TENSOR_KEYS:
             assert b[k].is_cuda and torch.equal(a[k], b[k].cpu()), k
+        for k in ("ks", "ke"):  # the host copies stay on the host, pinned
+            host = b[f"{k}_host"]
+            assert not host.is_cuda and host.is_pinned() and torch.equal(host, a[k])
+            assert a[f"{k}_host"] is a[k]

@@ -50,6 +50,7 @@ def test_rank_gets_its_rows_with_correct_contents(small_dataset: Path):
             )
             for k in ("input_ids", "labels", "position_ids", "cu_seqlens", "ks", "ke"):
                 assert np.array_equal(mb[k].numpy(), want[k]), k
+            assert mb["ks_host"] is mb["ks"] and mb["ke_host"] is mb["ke"]  # no device: one copy
             assert mb["input_ids"].dtype == torch.int64 and mb["cu_seqlens"].dtype == torch.int32
             assert mb["num_tokens"] == row["num_tokens"]
 
