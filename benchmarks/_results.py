@@ -113,3 +113,14 @@ def probe_main(
     if not torch.cuda.is_available():
         sys.exit(f"{script} needs a CUDA GPU")
     run(Path(args.out) if args.out else None)
+
+
+def save_probe(out: Path | None, stem: str, res: dict) -> dict:
+    """A GPU diagnostic's result: `stem`.json (with the RESULTS.md section under "markdown") and
+    `stem`.md under `out` (when given), the markdown printed; returns `res`."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / f"{stem}.md").write_text(res["markdown"])
+    print(res["markdown"], flush=True)
+    return res

@@ -29,7 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import command_line, machine_description, markdown_table, probe_main
+from benchmarks._results import (
+    command_line,
+    machine_description,
+    markdown_table,
+    probe_main,
+    save_probe,
+)
 from benchmarks.bench_indexer import TOPK, random_row, row_ranges
 from kernels import fp8_indexer_topk
 
@@ -73,12 +79,7 @@ def run(out: Path | None) -> dict:
         res["shapes"].append(_shape(h, s, packed, cycles))
         torch.cuda.empty_cache()
     res["markdown"] = markdown(res)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "indexer_sync.json").write_text(json.dumps(res, indent=1))
-        (out / "indexer_sync.md").write_text(res["markdown"])
-    print(res["markdown"], flush=True)
-    return res
+    return save_probe(out, "indexer_sync", res)
 
 
 def _shape(h: int, s: int, packed: bool, cycles: int) -> dict:

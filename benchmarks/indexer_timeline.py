@@ -14,7 +14,6 @@ and .md under --out; `--append-results FILE` appends the markdown to benchmarks/
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from benchmarks._results import (
     machine_description,
     markdown_table,
     probe_main,
+    save_probe,
 )
 from benchmarks.bench_indexer import TOPK, random_row, row_ranges
 from kernels import fp8_indexer_topk
@@ -99,12 +99,7 @@ def run(out: Path | None) -> dict:
         **timeline(gpu_events(prof), wall_us),
     }
     res["markdown"] = markdown(res)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "indexer_timeline.json").write_text(json.dumps(res, indent=1))
-        (out / "indexer_timeline.md").write_text(res["markdown"])
-    print(res["markdown"], flush=True)
-    return res
+    return save_probe(out, "indexer_timeline", res)
 
 
 def markdown(res: dict) -> str:

@@ -44,6 +44,7 @@ from benchmarks._results import (
     machine_description,
     markdown_table,
     probe_main,
+    save_probe,
 )
 from benchmarks.bench_indexer import TOPK, D, logits_runner, random_row, row_ranges
 from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
@@ -205,12 +206,7 @@ def probe(out: Path | None) -> dict:
             )  # fmt: skip
             print(json.dumps(res["regimes"][-1]), flush=True)
     res["markdown"] = markdown(res)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "logits_clock_probe.json").write_text(json.dumps(res, indent=1))
-        (out / "logits_clock_probe.md").write_text(res["markdown"])
-    print(res["markdown"], flush=True)
-    return res
+    return save_probe(out, "logits_clock_probe", res)
 
 
 def _num(x: float) -> str:

@@ -46,7 +46,13 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import command_line, machine_description, markdown_table, probe_main
+from benchmarks._results import (
+    command_line,
+    machine_description,
+    markdown_table,
+    probe_main,
+    save_probe,
+)
 from benchmarks.bench_indexer import (
     D,
     chunk_plan,
@@ -298,12 +304,7 @@ def probe(out: Path | None) -> dict:
         del p, buf, q, k, w
         torch.cuda.empty_cache()
     res["markdown"] = markdown(res)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "logits_probe.json").write_text(json.dumps(res, indent=1))
-        (out / "logits_probe.md").write_text(res["markdown"])
-    print(res["markdown"], flush=True)
-    return res
+    return save_probe(out, "logits_probe", res)
 
 
 def markdown(res: dict) -> str:

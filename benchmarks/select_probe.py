@@ -41,6 +41,7 @@ from benchmarks._results import (
     machine_description,
     markdown_table,
     probe_main,
+    save_probe,
 )
 from benchmarks.bench_indexer import event_ms
 from kernels.order import finish_topk, order_topk
@@ -179,12 +180,7 @@ def probe(out: Path | None) -> dict:
         )
     res["fit"] = fit(res["timings"])
     res["markdown"] = markdown(res)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "select_probe.json").write_text(json.dumps(res, indent=1, default=str))
-        (out / "select_probe.md").write_text(res["markdown"])
-    print(res["markdown"], flush=True)
-    return res
+    return save_probe(out, "select_probe", res)
 
 
 def fit(timings: list[dict]) -> list[dict]:
