@@ -10,7 +10,8 @@ then idles while the host checks, plans and queues the first launches. Ranges on
 
 At each shape: `torch.cuda._sleep` queues ~QUEUED_MS of GPU work, then one indexer call, then a
 sync; the wall time of the whole, interleaved between ranges on the GPU (the peer: what a caller
-that moved its batch to the GPU gets) and on the CPU, ROUNDS rounds, medians. The same without
+that moved its batch to the GPU gets) and on the CPU (pinned, as `trainer_shim` hands them
+out), ROUNDS rounds, medians. The same without
 the queued work, and the queued work alone, for reference. The indices of both are compared
 bitwise. Writes indexer_sync.json and .md under --out; `--append-results FILE` appends the
 markdown to benchmarks/RESULTS.md.
@@ -86,7 +87,8 @@ def _shape(h: int, s: int, packed: bool, cycles: int) -> dict:
     """One shape: both range placements, behind queued work and alone, interleaved."""
     ks, ke = row_ranges(s, packed)
     q, k, w = random_row(s, h, seed=s + h + packed)
-    ranges = {"GPU": (ks.cuda(), ke.cuda()), "CPU": (ks, ke)}
+    # on the CPU pinned, as trainer_shim hands them out (PackedShardStream's ks_host / ke_host)
+    ranges = {"GPU": (ks.cuda(), ke.cuda()), "CPU": (ks.pin_memory(), ke.pin_memory())}
     got = {m: fp8_indexer_topk(q, k, w, *r, TOPK) for m, r in ranges.items()}  # and warm
 
     def behind(r) -> None:
@@ -131,8 +133,8 @@ def markdown(res: dict) -> str:
     return (
         f"Measured {res['date']}. Wall time of `fp8_indexer_topk` (topk {TOPK}) with "
         f"{res['queued_ms']:.2f} ms of GPU work queued before it (`torch.cuda._sleep`, then the "
-        f"call, then a sync) and alone; ranges on the GPU or on the CPU interleaved, {ROUNDS} "
-        "rounds, medians.\n\n" + markdown_table(head, body) + "\n"
+        f"call, then a sync) and alone; ranges on the GPU or on the CPU (pinned) interleaved, "
+        f"{ROUNDS} rounds, medians.\n\n" + markdown_table(head, body) + "\n"
     )
 
 

@@ -181,23 +181,26 @@ def prepare_inputs(
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape
     s_k = k.shape[0]
-    ranges = torch.cat([ks, ke])
     copied = None
-    if ranges.is_cuda:
-        host_t = ranges.to("cpu", non_blocking=True)  # pinned: no sync
+    if ks.is_cuda:
+        host_t = torch.cat([ks, ke]).to("cpu", non_blocking=True)  # pinned: no sync
         copied = torch.cuda.Event()
         copied.record()
     else:
-        host_t = ranges
-        if q.is_cuda:  # ranges from the host: pinned, so the copy waits for nothing
-            ranges = ranges.pin_memory().to(q.device, non_blocking=True)
-            ks, ke = ranges[:s_q], ranges[s_q:]
+        ks_host, ke_host = np.ascontiguousarray(ks.numpy()), np.ascontiguousarray(ke.numpy())
     q8, q_scale = quantize_fp8(q)
     k8, k_scale = quantize_fp8(k)
+    if not ks.is_cuda and q.is_cuda:
+        # ranges from the host, behind the quantizers: copied up from pinned memory (pinned
+        # here unless they are, as trainer_shim's are), waiting for nothing
+        ks, ke = (
+            (x if x.is_pinned() else x.pin_memory()).to(q.device, non_blocking=True)
+            for x in (ks, ke)
+        )
     if copied is not None:
         copied.synchronize()  # the copy only: the quantizers queued after it keep running
-    host = host_t.numpy()
-    ks_host, ke_host = host[:s_q], host[s_q:]
+        host = host_t.numpy()
+        ks_host, ke_host = host[:s_q], host[s_q:]
     if s_q and (int(ks_host.min()) < 0 or int(ke_host.max()) > s_k):
         t = int(np.flatnonzero((ks_host < 0) | (ke_host > s_k))[0])
         raise ValueError(
