@@ -172,11 +172,12 @@ def prepare_inputs(
     memory), then the quantizers, which read no ranges; the host waits for the copy, i.e. for
     all work queued before the call, and checks the ranges (and `indexer_topk_prepared` plans
     and queues the chunks) while the quantizers run. A bad range raises before anything reads
-    it either way. The finiteness of q, k
-    and w is four floats on the device (`_finite_flags`): checked here with one more transfer,
-    or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it makes anyway at
-    the end (`PreparedInputs.unchecked`); a non-finite input then still raises, after the
-    (meaningless) scores were computed.
+    it either way. Pinned host ranges are read by their copy after this returns: leave them
+    unchanged until the GPU has caught up (`fp8_indexer_topk` returns after it has). The
+    finiteness of q, k and w is four floats on the device (`_finite_flags`): checked here with
+    one more transfer, or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it
+    makes anyway at the end (`PreparedInputs.unchecked`); a non-finite input then still raises,
+    after the (meaningless) scores were computed.
     """
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape
@@ -188,15 +189,15 @@ def prepare_inputs(
         copied.record()
     else:
         ks_host, ke_host = np.ascontiguousarray(ks.numpy()), np.ascontiguousarray(ke.numpy())
+        if q.is_cuda:
+            # ranges from the host: copied up from pinned memory (pinned here unless they are,
+            # as trainer_shim's are), waiting for nothing
+            ks, ke = (
+                (x if x.is_pinned() else x.pin_memory()).to(q.device, non_blocking=True)
+                for x in (ks, ke)
+            )
     q8, q_scale = quantize_fp8(q)
     k8, k_scale = quantize_fp8(k)
-    if not ks.is_cuda and q.is_cuda:
-        # ranges from the host, behind the quantizers: copied up from pinned memory (pinned
-        # here unless they are, as trainer_shim's are), waiting for nothing
-        ks, ke = (
-            (x if x.is_pinned() else x.pin_memory()).to(q.device, non_blocking=True)
-            for x in (ks, ke)
-        )
     if copied is not None:
         copied.synchronize()  # the copy only: the quantizers queued after it keep running
         host = host_t.numpy()
