@@ -74,8 +74,9 @@ from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
 TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 
 # Candidate fixed logits configs. The first is the committed fixed config (since v9: at H = 64
-# two 2-query blocks a program share each key tile, under a 168-register cap); then the fixed
-# config up to v8 (one block a program) and the shared tiles with 4 stages. v9's runs
+# two 2-query blocks a program share each key tile, under a 168-register cap; since v10 relu as
+# x + |x|; since v11 launches under 2^25 scores one block a program); then v10's, v9's and the
+# fixed config up to v8 (one block a program). v9's runs
 # (2026-12-03) measured the fma-chain head sum no faster at H = 64 and slower at H = 32, and
 # reloading wq each tile instead of holding it (128 registers) 1.1-1.4x slower: neither is
 # re-measured. The sweep (SWEEP_CONFIGS) holds the other shared-tile and one-block neighbours.

@@ -172,8 +172,10 @@ def prepare_inputs(
     memory), then the quantizers, which read no ranges; the host waits for the copy, i.e. for
     all work queued before the call, and checks the ranges (and `indexer_topk_prepared` plans
     and queues the chunks) while the quantizers run. A bad range raises before anything reads
-    it either way. Pinned host ranges are read by their copy after this returns: leave them
-    unchanged until the GPU has caught up (`fp8_indexer_topk` returns after it has). The
+    it either way. Pinned host ranges are read by their copy after this returns, and
+    `PreparedInputs.ks_host` / `ke_host` may share their memory: leave them unchanged until
+    the GPU has caught up and the prepared inputs are done with (`fp8_indexer_topk` returns
+    after both). The
     finiteness of q, k and w is four floats on the device (`_finite_flags`): checked here with
     one more transfer, or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it
     makes anyway at the end (`PreparedInputs.unchecked`); a non-finite input then still raises,
@@ -189,13 +191,8 @@ def prepare_inputs(
         copied.record()
     else:
         ks_host, ke_host = np.ascontiguousarray(ks.numpy()), np.ascontiguousarray(ke.numpy())
-        if q.is_cuda:
-            # ranges from the host: copied up from pinned memory (pinned here unless they are,
-            # as trainer_shim's are), waiting for nothing
-            ks, ke = (
-                (x if x.is_pinned() else x.pin_memory()).to(q.device, non_blocking=True)
-                for x in (ks, ke)
-            )
+        if q.is_cuda:  # ranges from the host: copied up, waiting for nothing
+            ks, ke = _upload(ks, q.device), _upload(ke, q.device)
     q8, q_scale = quantize_fp8(q)
     k8, k_scale = quantize_fp8(k)
     if copied is not None:
@@ -238,6 +235,15 @@ def prepare_inputs(
         heads=hp,
         unchecked=(q_scale, k_scale, w) if defer_finite_check else None,
     )
+
+
+def _upload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU `x` on `device` by an asynchronous copy from contiguous pinned memory (made so here
+    unless it is, as trainer_shim's ranges are: a copy from pageable or strided memory may wait
+    for the stream)."""
+    if not (x.is_pinned() and x.is_contiguous()):
+        x = x.contiguous().pin_memory()
+    return x.to(device, non_blocking=True)
 
 
 def _finite_flags(q_scale: torch.Tensor, k_scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -472,7 +478,9 @@ def _finish_flagged_rows(
     Consecutive flagged rows share one logits launch (as many as fit
     `max_chunk_bytes` with the exact path's int64 sort temporaries, ~40 B a score); a row's
     scores do not depend on which other rows share its launch, so they are the chunk's scores
-    bitwise.
+    bitwise. (A launch small enough for the config's one-block form takes relu as max(x, 0)
+    where a chunk's two-block programs may take x + |x| with halved weights: the same products
+    unless |w * q_scale| < 2^-125, `LogitsConfig.pair_relu`.)
     """
     if bad.size == 0:
         return 0

@@ -16,12 +16,13 @@ Dtype and layout rules (checked by the launcher, `kernels.fp8_indexer` pads to m
 - H and D powers of two, D >= 32 (fp8 wgmma has k = 32); H <= block_n.
 - out: float32, row stride a multiple of 16 elements; written at column `s - col0`.
 - row0, n_rows and col0 are not specialised on (`do_not_specialize`), so chunk offsets and row
-  counts never trigger a recompile: one binary per (H, D, config) serves every length.
+  counts never trigger a recompile: one binary per (H, D, config) serves every length (two for
+  a config with `group_min_scores`: its small launches run its one-block form).
 
 Blocking. A query block is block_q = block_n // H consecutive queries, i.e. block_n (query,
-head) rows held in shared memory as the MMA's B operand. A program owns one block, or two when
-blocks hold at most two queries (`LogitsConfig.q_groups`: both blocks run over each key tile,
-which is loaded once), and streams key tiles of block_k rows over [min ks, max ke) of its
+head) rows held in shared memory as the MMA's B operand. A program owns one block, or two (or
+four) when blocks hold at most two queries (one) (`LogitsConfig.q_groups`: the blocks run over
+each key tile, which is loaded once), and streams key tiles of block_k rows over [min ks, max ke) of its
 queries; tiles wholly outside that union are never visited. The
 product is computed as keys x (query, head) — acc[block_k, block_n] = k8_tile @ q8_block^T — so
 that the sum over heads runs along the accumulator's columns, which in the wgmma register
@@ -76,8 +77,8 @@ class LogitsConfig:
     docs/KERNELS.md). `q_groups=4`: four blocks a program, which need 1-query blocks (H = 64
     at block_n 64; 2-query blocks pair up): the same K-tile reads a flop as two 2-query blocks
     at ~123 registers, yet 7-30% slower than the fixed config on the H200 with 2 or 3 stages
-    (v11 in docs/KERNELS.md). `groups(heads)` is the count that runs: at most 4 queries a
-    program. Serial schedule only; same per-score arithmetic: identical scores.
+    (v11 in docs/KERNELS.md). `groups(heads)` is the count that runs: a multi-block program
+    holds at most 4 queries. Serial schedule only; same per-score arithmetic: identical scores.
     `head_sum`: "tree" is Triton's pairwise in-thread sum of relu(product) x weight over a
     thread's heads (an fmul, an ffma and an fadd a pair); "chain" is one chain of fmas (16 at
     H = 64, then 2 shuffles): 240 instead of 268 sm_90 instructions a tile a warp, yet no
@@ -93,8 +94,10 @@ class LogitsConfig:
     (checked bitwise on the H200). 0.6-2.3% faster at H = 64 from 16K in the three H200 runs
     of v10, 3-6% slower in the one-block H = 32 kernel, which therefore keeps "max" (as does
     the chain head sum, where "abs" lost too). Multi-block programs only, like the cap.
-    `group_min_scores`: launches of fewer scores (rows x padded keys) than this run the
-    config's one-block form (`for_launch`): q_groups 1, no cap, max relu; the same scores.
+    `group_min_scores`: launches of fewer scores (rows x all padded keys, not the launch's key
+    window) than this run the config's one-block form (`for_launch`): q_groups 1, no cap, max
+    relu; the same scores. Tuned on square rows (4K and 8K); a CP rank's queries against the
+    whole row's keys count rows x all keys, more than the scores inside their ranges.
     Multi-block programs halve the grid, which small launches cannot fill (H = 64, 4K rows:
     1024 programs for 132 SMs, 1.01-1.15x slower than one block a program in v10's and v11's
     H200 runs). None: every launch runs the config as it is.
@@ -156,7 +159,7 @@ class LogitsConfig:
         return self.block_n // heads
 
     def groups(self, heads: int) -> int:
-        """Query blocks a program for `heads` heads: up to q_groups, at most 4 queries a program."""
+        """Query blocks a program for `heads` heads: up to q_groups, while they hold <= 4 queries."""
         return min(self.q_groups, max(1, 4 // self.block_q(heads)))
 
     def max_registers(self, heads: int) -> int | None:
@@ -368,7 +371,7 @@ def _indexer_logits_kernel(
     WARPGROUP.DEPBAR). Costs: a second accumulator (198 registers, 2 programs an SM) and 64
     register moves a tile. Both schedules run the same per-score arithmetic: identical scores.
     GROUPS = 2 (serial only): the program owns query blocks 2b and 2b + 1 and runs both over
-    each key tile, which is loaded once. ABS_RELU (GROUPS = 2, tree head sum): relu(x) * wq is
+    each key tile, which is loaded once. ABS_RELU (GROUPS >= 2, tree head sum): relu(x) * wq is
     (x + |x|) * (wq / 2), the same products (`LogitsConfig.pair_relu`). GROUPS = 4: blocks
     4b to 4b + 3 likewise.
     """
@@ -459,6 +462,8 @@ def launch_logits(
     """Write scores of queries [row0, row0 + n_rows) into out[0:n_rows, s - col0] (in-range only).
 
     `q8` is [S_q * heads, D] fp8, `k8` [S_kp, D] fp8; see the module docstring for the rules.
+    `config.for_launch(n_rows, S_kp)` is what runs (the one-block form of a launch under
+    `group_min_scores` scores, counted over all S_kp keys, not the launch's key window).
     Returns Triton's handle of the launched kernel (None when there are no rows), whose
     `n_regs` / `n_spills` the benchmarks report.
     """

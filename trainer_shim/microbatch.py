@@ -28,7 +28,8 @@ Conventions (the data contract the trainer, the fp8 indexer and the GPU ablation
   ``ks = s`` and ``ke = p + 1`` (causal, inside its document). A padding position p gets the
   empty range ``ks = ke = p``: it selects no key (the indexer returns only its sentinel).
   `PackedShardStream` also hands out ``ks_host`` / ``ke_host``: the same ranges as CPU tensors
-  when ``ks`` / ``ke`` went to the GPU. `kernels.fp8_indexer_topk` plans its chunks on the host
+  (pinned when ``ks`` / ``ke`` went to a GPU; without a device the same tensors as ``ks`` /
+  ``ke``). `kernels.fp8_indexer_topk` plans its chunks on the host
   from them without waiting for the GPU (with ``ks`` / ``ke`` on the GPU it must copy them back
   first, which waits for all work queued before the call).
 

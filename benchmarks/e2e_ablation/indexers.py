@@ -15,7 +15,7 @@ arms 3 and 4 is only the launch configuration:
   happens once per process (in the warm-up steps); the retuning afterwards is timing alone,
   ~0.15 s per candidate per new length.
   `make_indexer("autotuned")` uses `benchmarks.indexer_peers.autotuned_indexer_topk` (the
-  peer bench_indexer.py measures: `triton.autotune` over its 12-config `SWEEP_CONFIGS`, keyed
+  peer bench_indexer.py measures: `triton.autotune` over the distinct kernels of `SWEEP_CONFIGS`, keyed
   on the exact lengths, keys not padded to 16) with one launcher kept for the whole run; the
   local `AutotunedIndexer` over 8 logits configs is the fallback if that module is missing.
 - `reference`: `kernels.reference_indexer_topk`, fp32 torch (small shapes only).
@@ -231,7 +231,7 @@ class _PeerIndexer(Indexer):
         super().__init__(
             "autotuned",
             fn,
-            f"benchmarks.indexer_peers.{PEER_FUNCTION} (triton.autotune over {n} configs, keyed on the exact length)",
+            f"benchmarks.indexer_peers.{PEER_FUNCTION} (triton.autotune over the distinct kernels of {n} configs, keyed on the exact length)",
         )
 
     def _tuners(self) -> list[Any]:
