@@ -65,28 +65,12 @@ class AutotunedLogits:
             # one triton.Config a distinct kernel (a config with group_min_scores tunes as its
             # large launches' form, which the sweep also holds: v10's fixed config)
             params = {
-                (
-                    c.block_n // heads,
-                    c.block_k,
-                    c.groups(heads),
-                    c.head_sum == "chain",
-                    c.abs_relu(heads),
-                    c.num_warps,
-                    c.num_stages,
-                    c.max_registers(heads),
-                ): None
+                (tuple(meta.items()), tuple(options.items())): None
                 for c in self.configs
                 if c.block_n >= heads
+                for meta, options in [c.kernel_params(heads)]
             }
-            cfgs = [
-                triton.Config(
-                    {"BLOCK_Q": bq, "BLOCK_K": bk, "GROUPS": g, "CHAIN": ch, "ABS_RELU": ab},
-                    num_warps=nw,
-                    num_stages=ns,
-                    maxnreg=regs,
-                )
-                for bq, bk, g, ch, ab, nw, ns, regs in params
-            ]
+            cfgs = [triton.Config(dict(meta), **dict(options)) for meta, options in params]
             # the exact key count: the last tile is masked unless S_k is a multiple of BLOCK_K
             even = triton.heuristics({"EVEN_K": lambda a: a["S_k"] % a["BLOCK_K"] == 0})
             self._tuned[heads] = triton.autotune(configs=cfgs, key=["n_rows", "S_k", "H"])(

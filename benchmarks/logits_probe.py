@@ -184,9 +184,8 @@ def probe_runner(p, buf: torch.Tensor, cfg: LogitsConfig, epi: int, tma: bool) -
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         k_src = TensorDescriptor.from_tensor(p.k8, [cfg.block_k, p.q8.shape[1]])
-    block_q, groups = cfg.block_q(p.heads), cfg.groups(p.heads)
-    regs = cfg.max_registers(p.heads)
-    extra = {} if regs is None else {"maxnreg": regs}
+    meta, options = cfg.kernel_params(p.heads)
+    block_q, groups = meta["BLOCK_Q"], meta["GROUPS"]
     chunks = chunk_plan(p)
 
     def run() -> None:
@@ -196,8 +195,7 @@ def probe_runner(p, buf: torch.Tensor, cfg: LogitsConfig, epi: int, tma: bool) -
             _probe_kernel[grid](
                 p.q8, p.wq, k_src, p.k_scale, p.ks, p.ke, out, r0, r1 - r0, p.k8.shape[0],
                 col0, out.stride(0), H=p.heads, D=p.q8.shape[1], BLOCK_Q=block_q,
-                BLOCK_K=cfg.block_k, GROUPS=groups, EPI=epi, TMA=tma,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+                BLOCK_K=cfg.block_k, GROUPS=groups, EPI=epi, TMA=tma, **options,
             )  # fmt: skip
 
     return run

@@ -185,6 +185,24 @@ class LogitsConfig:
         """Whether the kernel for `heads` heads takes relu as x + |x| (multi-block programs only)."""
         return self.pair_relu == "abs" and self.groups(heads) > 1
 
+    def kernel_params(self, heads: int) -> tuple[dict, dict]:
+        """The logits kernel's constexprs for `heads` heads (all but H, D and EVEN_K, which
+        depend on the operands) and its launch options (warps, stages, register cap): the one
+        place a config becomes a kernel, for `launch_logits` and the benchmarks' autotuned peer."""
+        meta = {
+            "BLOCK_Q": self.block_q(heads),
+            "BLOCK_K": self.block_k,
+            "PIPELINED": self.schedule == "pipelined",
+            "GROUPS": self.groups(heads),
+            "CHAIN": self.head_sum == "chain",
+            "ABS_RELU": self.abs_relu(heads),
+        }
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        regs = self.max_registers(heads)
+        if regs is not None:
+            options["maxnreg"] = regs
+        return meta, options
+
     @property
     def label(self) -> str:
         """Short name for reports, e.g. `n128/k64/w4/s3` or `n128/k64/w4/s3/pipe`."""
@@ -467,17 +485,14 @@ def launch_logits(
     Returns Triton's handle of the launched kernel (None when there are no rows), whose
     `n_regs` / `n_spills` the benchmarks report.
     """
-    d = q8.shape[1]
-    block_q = config.block_q(heads)
+    config.block_q(heads)  # heads > block_n raises, with rows or without
     if n_rows <= 0:
         return None
     s_k = k8.shape[0]
     config = config.for_launch(n_rows, s_k)
+    meta, options = config.kernel_params(heads)
     even_k = config.key_mask == "auto" and s_k % config.block_k == 0
-    groups = config.groups(heads)
-    grid = (triton.cdiv(triton.cdiv(n_rows, block_q), groups),)
-    regs = config.max_registers(heads)
-    extra = {} if regs is None else {"maxnreg": regs}
+    grid = (triton.cdiv(triton.cdiv(n_rows, meta["BLOCK_Q"]), meta["GROUPS"]),)
     return _indexer_logits_kernel[grid](
         q8,
         wq,
@@ -492,15 +507,8 @@ def launch_logits(
         col0,
         out.stride(0),
         H=heads,
-        D=d,
-        BLOCK_Q=block_q,
-        BLOCK_K=config.block_k,
+        D=q8.shape[1],
         EVEN_K=even_k,
-        PIPELINED=config.schedule == "pipelined",
-        GROUPS=groups,
-        CHAIN=config.head_sum == "chain",
-        ABS_RELU=config.abs_relu(heads),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **extra,
+        **meta,
+        **options,
     )

@@ -188,6 +188,31 @@ def test_logits_probe_table_takes_ratios_to_the_fixed_config() -> None:
     assert "H=64 v8 (n128/k64/w4/s3): True, H=64 n64/k64/w4/s3/g4/abs: False" in text
 
 
+def test_autotuned_peer_tunes_each_distinct_kernel_of_the_sweep_once() -> None:
+    # the fixed config tunes as its large launches' form, which is v10's config: one entry
+    from benchmarks.indexer_peers import SWEEP_CONFIGS, AutotunedLogits
+
+    peer = AutotunedLogits()
+    for heads in (64, 32):
+        tuned = [
+            (c.kwargs, c.num_warps, c.num_stages, c.maxnreg) for c in peer._kernel(heads).configs
+        ]
+        want = set()
+        for c in SWEEP_CONFIGS:
+            if c.block_n >= heads:
+                meta, opts = c.kernel_params(heads)
+                want.add(
+                    (
+                        tuple(meta.items()),
+                        opts["num_warps"],
+                        opts["num_stages"],
+                        opts.get("maxnreg"),
+                    )
+                )
+        assert len(tuned) == len(want) < len(SWEEP_CONFIGS)
+        assert {(tuple(kw.items()), w, st, r) for kw, w, st, r in tuned} == want
+
+
 def test_sync_probe_table_takes_the_difference_behind_queued_work() -> None:
     from benchmarks.indexer_sync import markdown
 
