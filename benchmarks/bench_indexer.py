@@ -90,6 +90,11 @@ def row_ranges(s: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32)
 
 
+def count_pairs(ks: torch.Tensor, ke: torch.Tensor) -> int:
+    """Valid (query, key) pairs of a row: the scores its flops are counted on (2 H D each)."""
+    return int((ke - ks).clamp_min(0).sum())
+
+
 def random_row(s: int, h: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(s, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -219,7 +224,7 @@ def warm_compile(workers: int) -> list[tuple[str, float]]:
 # ----------------------------------------------------------------------------- the shape table
 def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool, cfg: IndexerConfig) -> dict:
     ks, ke = row_ranges(s, packed)
-    pairs = int((ke - ks).clamp_min(0).sum())
+    pairs = count_pairs(ks, ke)
     q, k, w = random_row(s, h, seed=s + h + packed)
     ks, ke = ks.cuda(), ke.cuda()
     flops = 2 * h * D * pairs

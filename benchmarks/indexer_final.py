@@ -29,7 +29,6 @@ RESULTS.md section under "markdown", indexer_final.md), so a run cut short keeps
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -54,12 +53,18 @@ from benchmarks.bench_indexer import (
     D,
     _warm_one,
     batch_size,
+    count_pairs,
     logits_buffer,
     logits_runner,
     random_row,
     row_ranges,
 )
-from benchmarks.indexer_peers import SWEEP_CONFIGS
+from benchmarks.indexer_peers import (
+    SWEEP_CONFIGS,
+    V8_LOGITS_CONFIG,
+    V9_LOGITS_CONFIG,
+    V10_LOGITS_CONFIG,
+)
 from kernels.fp8_indexer import (
     FIXED_CONFIG,
     IndexerConfig,
@@ -76,15 +81,14 @@ TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 # Candidate fixed logits configs. The first is the committed fixed config (since v9: at H = 64
 # two 2-query blocks a program share each key tile, under a 168-register cap; since v10 relu as
 # x + |x|; since v11 launches under 2^25 scores one block a program); then v10's, v9's and the
-# fixed config up to v8 (one block a program). v9's runs
-# (2026-12-03) measured the fma-chain head sum no faster at H = 64 and slower at H = 32, and
-# reloading wq each tile instead of holding it (128 registers) 1.1-1.4x slower: neither is
-# re-measured. The sweep (SWEEP_CONFIGS) holds the other shared-tile and one-block neighbours.
+# fixed config up to v8 (one block a program). v9's runs (2026-12-03) measured the fma-chain
+# head sum no faster at H = 64 and slower at H = 32, and reloading wq each tile instead of
+# holding it (128 registers) 1.1-1.4x slower: neither is re-measured. The sweep (SWEEP_CONFIGS) holds the other shared-tile and one-block neighbours.
 LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
     FIXED_LOGITS_CONFIG,  # since v11: launches under 2^25 scores one block a program
-    dataclasses.replace(FIXED_LOGITS_CONFIG, group_min_scores=None),  # v10's fixed config
-    LogitsConfig(128, 64, 4, 3, q_groups=2, pair_max_registers=168),  # v9's fixed config
-    LogitsConfig(128, 64, 4, 3),  # v2-v8's
+    V10_LOGITS_CONFIG,
+    V9_LOGITS_CONFIG,
+    V8_LOGITS_CONFIG,
 )
 # The fixed top-k (split one-warp select with ballot compaction, prefetch and early exit, then
 # the one-warp radix order of the 2048 winners, peers from ballots). The torch sort and the
@@ -146,8 +150,7 @@ def shape_name(h: int, s: int, packed: bool) -> str:
 
 
 def valid_pairs(s: int, packed: bool) -> int:
-    ks, ke = row_ranges(s, packed)
-    return int((ke - ks).clamp_min(0).sum())
+    return count_pairs(*row_ranges(s, packed))
 
 
 # ----------------------------------------------------------------------------- pure summaries
@@ -308,7 +311,7 @@ def time_interleaved(
 
 def measure_logits_shape(h: int, s: int, packed: bool, rounds: int) -> dict:
     ks, ke = row_ranges(s, packed)
-    pairs = int((ke - ks).clamp_min(0).sum())
+    pairs = count_pairs(ks, ke)
     q, k, w = random_row(s, h, seed=s + h + packed)
     p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
     configs = [c for c in all_logits_configs() if c.block_n >= h]

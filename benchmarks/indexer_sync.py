@@ -38,6 +38,7 @@ from benchmarks._results import (
     save_probe,
 )
 from benchmarks.bench_indexer import TOPK, random_row, row_ranges
+from benchmarks.indexer_final import shape_name
 from kernels import fp8_indexer_topk
 
 TITLE = "fp8 indexer (issue 5): ranges from the host against ranges on the GPU"
@@ -104,7 +105,7 @@ def _shape(h: int, s: int, packed: bool, cycles: int) -> dict:
                 _wall_ms(lambda r=r: fp8_indexer_topk(q, k, w, *r, TOPK))
             )
     ms = {n: statistics.median(v) for n, v in times.items()}
-    shape = f"H={h} S={s // 1024}K {'packed x6' if packed else 'causal'}"
+    shape = shape_name(h, s, packed)
     same = bool(torch.equal(got["GPU"], got["CPU"]))
     print(shape, json.dumps({n: round(v, 3) for n, v in ms.items()}), same, flush=True)
     return {"shape": shape, "ms": ms, "same_indices": same}

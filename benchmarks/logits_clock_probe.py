@@ -46,7 +46,8 @@ from benchmarks._results import (
     probe_main,
     save_probe,
 )
-from benchmarks.bench_indexer import TOPK, D, logits_runner, random_row, row_ranges
+from benchmarks.bench_indexer import TOPK, D, count_pairs, logits_runner, random_row, row_ranges
+from benchmarks.indexer_peers import V8_LOGITS_CONFIG, V9_LOGITS_CONFIG
 from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
 
@@ -58,8 +59,8 @@ FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.ac
 # three regimes: the energy a flop of each
 CONFIGS: tuple[LogitsConfig, ...] = (
     FIXED_LOGITS_CONFIG,
-    dataclasses.replace(FIXED_LOGITS_CONFIG, pair_relu="max", group_min_scores=None),
-    LogitsConfig(128, 64, 4, 3),
+    V9_LOGITS_CONFIG,
+    V8_LOGITS_CONFIG,
 )
 
 
@@ -177,8 +178,7 @@ def _regimes(p, cfg: LogitsConfig) -> list[tuple[str, list[tuple[float, float, f
 
 def probe(out: Path | None) -> dict:
     ks, ke = row_ranges(S, packed=False)
-    pairs = int((ke - ks).clamp_min(0).sum())
-    flops = 2 * H * D * pairs
+    flops = 2 * H * D * count_pairs(ks, ke)
     q, k, w = random_row(S, H, seed=1)
     p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
     sampler = Sampler()

@@ -31,7 +31,6 @@ benchmarks/RESULTS.md here.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -56,12 +55,14 @@ from benchmarks._results import (
 from benchmarks.bench_indexer import (
     D,
     chunk_plan,
+    count_pairs,
     logits_buffer,
     logits_runner,
     random_row,
     row_ranges,
 )
-from benchmarks.indexer_final import time_interleaved
+from benchmarks.indexer_final import shape_name, time_interleaved
+from benchmarks.indexer_peers import V8_LOGITS_CONFIG, V9_LOGITS_CONFIG
 from kernels.fp8_indexer import prepare_inputs
 from kernels.logits import (
     FIXED_LOGITS_CONFIG,
@@ -73,8 +74,7 @@ from kernels.logits import (
 )
 
 TITLE = "fp8 indexer (issue 5): where the logits kernel's time goes"
-V9 = dataclasses.replace(FIXED_LOGITS_CONFIG, pair_relu="max", group_min_scores=None)
-V8 = LogitsConfig(128, 64, 4, 3)
+V9, V8 = V9_LOGITS_CONFIG, V8_LOGITS_CONFIG
 # 1-query blocks at H = 64 (2-query blocks at H = 32): in pairs as in the sweep, and in fours,
 # which share each key tile four ways (as many K-tile reads a flop as the fixed config) at
 # ~123 registers. The fours lost 7-30% at H = 64 from 16K in the first v11 probe (with 2 stages
@@ -284,13 +284,13 @@ def probe(out: Path | None) -> dict:
     print("bitwise", res["bitwise"], flush=True)
     for h, s, packed in SHAPES:
         ks, ke = row_ranges(s, packed)
-        flops = 2 * h * D * int((ke - ks).clamp_min(0).sum())
+        flops = 2 * h * D * count_pairs(ks, ke)
         q, k, w = random_row(s, h, seed=s + h + packed)
         p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
         buf = logits_buffer(p)
         names = [n for n in VARIANTS if _applies(n, h)]
         ms = time_interleaved({n: _runner(p, buf, n) for n in names}, ROUNDS)
-        shape = f"H={h} S={s // 1024}K {'packed x6' if packed else 'causal'}"
+        shape = shape_name(h, s, packed)
         res["shapes"].append(
             {
                 "shape": shape,
