@@ -175,11 +175,11 @@ def prepare_inputs(
     it either way. Pinned host ranges are read by their copy after this returns, and
     `PreparedInputs.ks_host` / `ke_host` may share their memory: leave them unchanged until
     the GPU has caught up and the prepared inputs are done with (`fp8_indexer_topk` returns
-    after both). The
-    finiteness of q, k and w is four floats on the device (`_finite_flags`): checked here with
-    one more transfer, or, with `defer_finite_check`, by `indexer_topk_prepared` at the sync it
-    makes anyway at the end (`PreparedInputs.unchecked`); a non-finite input then still raises,
-    after the (meaningless) scores were computed.
+    after both).
+    The finiteness of q, k and w is four floats on the device (`_finite_flags`): checked here
+    with one more transfer, or, with `defer_finite_check`, by `indexer_topk_prepared` at the
+    sync it makes anyway at the end (`PreparedInputs.unchecked`); a non-finite input then
+    still raises, after the (meaningless) scores were computed.
     """
     _check_inputs(q, k, w, ks, ke)
     s_q, h, d = q.shape

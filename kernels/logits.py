@@ -22,9 +22,9 @@ Dtype and layout rules (checked by the launcher, `kernels.fp8_indexer` pads to m
 Blocking. A query block is block_q = block_n // H consecutive queries, i.e. block_n (query,
 head) rows held in shared memory as the MMA's B operand. A program owns one block, or two (or
 four) when blocks hold at most two queries (one) (`LogitsConfig.q_groups`: the blocks run over
-each key tile, which is loaded once), and streams key tiles of block_k rows over [min ks, max ke) of its
-queries; tiles wholly outside that union are never visited. The
-product is computed as keys x (query, head) — acc[block_k, block_n] = k8_tile @ q8_block^T — so
+each key tile, which is loaded once), and streams key tiles of block_k rows over [min ks,
+max ke) of its queries; tiles wholly outside that union are never visited. The product is
+computed as keys x (query, head) — acc[block_k, block_n] = k8_tile @ q8_block^T — so
 that the sum over heads runs along the accumulator's columns, which in the wgmma register
 layout sits inside a thread and a quad of lanes (in-register adds and two shuffles), not across
 warps through shared memory. Heavier (later, causal) query blocks are launched first.
@@ -159,7 +159,7 @@ class LogitsConfig:
         return self.block_n // heads
 
     def groups(self, heads: int) -> int:
-        """Query blocks a program for `heads` heads: up to q_groups, while they hold <= 4 queries."""
+        """Query blocks a program for `heads` heads: up to q_groups, holding <= 4 queries."""
         return min(self.q_groups, max(1, 4 // self.block_q(heads)))
 
     def max_registers(self, heads: int) -> int | None:
@@ -182,7 +182,7 @@ class LogitsConfig:
         )
 
     def abs_relu(self, heads: int) -> bool:
-        """Whether the kernel for `heads` heads takes relu as x + |x| (multi-block programs only)."""
+        """Whether the kernel for `heads` heads takes relu as x + |x| (multi-block programs)."""
         return self.pair_relu == "abs" and self.groups(heads) > 1
 
     def kernel_params(self, heads: int) -> tuple[dict, dict]:

@@ -15,8 +15,9 @@ arms 3 and 4 is only the launch configuration:
   happens once per process (in the warm-up steps); the retuning afterwards is timing alone,
   ~0.15 s per candidate per new length.
   `make_indexer("autotuned")` uses `benchmarks.indexer_peers.autotuned_indexer_topk` (the
-  peer bench_indexer.py measures: `triton.autotune` over the distinct kernels of `SWEEP_CONFIGS`, keyed
-  on the exact lengths, keys not padded to 16) with one launcher kept for the whole run; the
+  peer bench_indexer.py measures: `triton.autotune` over the distinct kernels of
+  `SWEEP_CONFIGS`, keyed on the exact lengths, keys not padded to 16) with one launcher kept
+  for the whole run; the
   local `AutotunedIndexer` over 8 logits configs is the fallback if that module is missing.
 - `reference`: `kernels.reference_indexer_topk`, fp32 torch (small shapes only).
 
