@@ -248,7 +248,7 @@ def test_ranges_from_the_host_give_the_same_indices_and_wait_for_nothing() -> No
         assert torch.equal(fp8_indexer_topk(q, k, w, ks, ke, 2048), want)
         pinned = (ks.pin_memory(), ke.pin_memory())  # as trainer_shim hands them out
         assert torch.equal(fp8_indexer_topk(q, k, w, *pinned, 2048), want)
-        strided = torch.stack([ks, ks]).t()[:, 0], torch.stack([ke, ke]).t()[:, 0]
+        strided = torch.stack([ks, ks], dim=1)[:, 0], torch.stack([ke, ke], dim=1)[:, 0]
         assert not strided[0].is_contiguous()
         assert torch.equal(fp8_indexer_topk(q, k, w, *strided, 2048), want)
     # prepare_inputs returns while earlier GPU work still runs with host ranges (pinned or
