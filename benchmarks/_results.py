@@ -96,9 +96,10 @@ def probe_main(
     doc: str, title: str, script: str, saved: str, run: Callable[[Path | None], object]
 ) -> None:
     """The command line of a GPU diagnostic (`select_probe.py`, `logits_clock_probe.py`,
-    `indexer_timeline.py`, `logits_probe.py`, `indexer_sync.py`): `--out DIR` runs
-    `run(DIR or None)` on the GPU and saves `saved` (a JSON with the RESULTS.md section) there;
-    `--append-results FILE` appends a fetched one here, under `title`, without a GPU."""
+    `indexer_timeline.py`, `logits_probe.py`, `indexer_sync.py`, `logits_ws_probe.py`):
+    `--out DIR` runs `run(DIR or None)` on the GPU and saves `saved` (a JSON with the RESULTS.md
+    section) there; `--append-results FILE` appends a fetched one here, under `title`, without
+    a GPU."""
     import argparse
 
     import torch

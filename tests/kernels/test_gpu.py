@@ -271,6 +271,34 @@ def test_ranges_from_the_host_give_the_same_indices_and_wait_for_nothing() -> No
         assert torch.equal(p.ks.cpu(), ks) and torch.equal(p.ke.cpu(), ke)
 
 
+@pytest.mark.parametrize("heads", [64, 32])
+def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
+    # kernels.logits_ws (Gluon, sm_90): the same scores, bitwise, in the same places, for a
+    # whole row and for a chunk whose rows, first row and key window are not block multiples
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised logits kernel is sm_90 only")
+    from kernels.logits_ws import launch_logits_ws
+
+    ks, ke = packed_ranges(DOCS)
+    q, k, w = random_inputs(4096, heads, 128, seed=9, device="cuda")
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    for row0, n_rows in ((0, 4096), (1000, 1003)):
+        col0 = int(ks[row0 : row0 + n_rows].min()) // 16 * 16
+        want = torch.full((n_rows, p.k8.shape[0] - col0), float("nan"), device="cuda")
+        launch_logits(
+            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, want,
+            heads=p.heads, row0=row0, n_rows=n_rows, col0=col0,
+        )  # fmt: skip
+        assert not want.isnan().all()
+        for kw in ({}, {"convert": False}, {"warpgroups": 2, "stages": 3, "lag": 1}):
+            got = torch.full_like(want, float("nan"))
+            launch_logits_ws(
+                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, got,
+                heads=p.heads, row0=row0, n_rows=n_rows, col0=col0, **kw,
+            )  # fmt: skip
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (row0, kw)
+
+
 def test_small_launches_run_the_one_block_form() -> None:
     # the fixed config's group_min_scores: 4K rows x 4K keys run one block a program (128
     # registers at H=64), 8K x 8K the capped pairs (168), as every launch of v10's config

@@ -281,3 +281,30 @@ def test_logits_config_rejects_bad_values() -> None:
     # x + |x| reaches the two-block programs only (the one-block H=32 kernel lost with it)
     assert [FIXED_LOGITS_CONFIG.abs_relu(h) for h in (64, 32)] == [True, False]
     assert FIXED_LOGITS_CONFIG.label == "n128/k64/w4/s3/g2/r168/abs/g>=32M"
+
+
+def test_warp_specialised_launcher_rejects_what_its_kernel_cannot_run() -> None:
+    # kernels.logits_ws runs on sm_90 only; its launcher's checks run before any launch
+    from kernels.logits_ws import launch_logits_ws, queries_per_cta
+
+    q8 = torch.zeros(8 * 64, 128)
+    k8 = torch.zeros(256, 128)
+    args = (q8, None, k8, None, None, None, None)
+    common = {"row0": 0, "n_rows": 8, "col0": 0}
+    assert launch_logits_ws(*args, heads=64, row0=0, n_rows=0, col0=0) is None
+    for heads in (16, 48, 128):
+        with pytest.raises(ValueError, match=rf"heads={heads}: must be 32 or 64"):
+            launch_logits_ws(*args, heads=heads, **common)
+    with pytest.raises(ValueError, match=r"keys=200, D=128: keys must be padded"):
+        launch_logits_ws(q8, None, k8[:200], None, None, None, None, heads=64, **common)
+    with pytest.raises(ValueError, match=r"keys=256, D=64"):
+        launch_logits_ws(q8[:, :64], None, k8, None, None, None, None, heads=64, **common)
+    with pytest.raises(ValueError, match=r"stages=4, lag=4: need stages 3 or 4"):
+        launch_logits_ws(*args, heads=64, stages=4, lag=4, **common)
+    with pytest.raises(ValueError, match=r"stages=6, lag=2"):  # wrong scores on the H200
+        launch_logits_ws(*args, heads=64, stages=6, lag=2, **common)
+    with pytest.raises(ValueError, match=r"warpgroups=3: must be 2 or 4"):
+        launch_logits_ws(*args, heads=64, warpgroups=3, **common)
+    # four warpgroups of 128 (query, head) columns: 8 queries a CTA at H=64, 16 at H=32
+    assert [queries_per_cta(h) for h in (64, 32, 16)] == [8, 16, 32]
+    assert queries_per_cta(64, warpgroups=2) == 4

@@ -1,0 +1,231 @@
+"""The warp-specialised (Gluon) logits kernel against the fixed Triton config (issue 5; GPU only).
+
+    PYTHONPATH=. python3 benchmarks/logits_ws_probe.py --out $OUT/ws
+
+`kernels.logits_ws` runs four warpgroups a CTA over shared TMA key tiles, with mbarriers
+instead of the Triton kernel's per-tile CTA barrier (16 warps an SM instead of 12). At each
+shape, all chunks of a topk call's logits launches, interleaved round-robin with the fixed
+config (`time_interleaved`, medians), for a few (stages, lag) of the key-tile ring. Before
+timing, each variant's scores of the last chunk are compared with the fixed config's: the
+same positions written, the largest difference relative to the row's largest score, and two
+runs of the variant bitwise equal. Writes logits_ws_probe.json and .md under --out;
+`--append-results FILE` appends the markdown to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._results import (
+    command_line,
+    machine_description,
+    markdown_table,
+    probe_main,
+    save_probe,
+)
+from benchmarks.bench_indexer import (
+    D,
+    chunk_plan,
+    count_pairs,
+    logits_buffer,
+    logits_runner,
+    random_row,
+    row_ranges,
+)
+from benchmarks.indexer_final import shape_name, time_interleaved
+from kernels.fp8_indexer import prepare_inputs
+from kernels.logits import FIXED_LOGITS_CONFIG
+
+TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
+FIXED_NAME = f"fixed ({FIXED_LOGITS_CONFIG.label})"
+# (stages, lag, convert, warpgroups): the key-tile ring, the store (converted to one score a
+# thread, or from the head sum's layout), warpgroups a CTA
+WS_VARIANTS = ((4, 2, True, 4), (4, 2, False, 4), (4, 2, True, 2))
+SHAPES = (
+    (64, 16384, False),
+    (64, 65536, False),
+    (64, 131072, False),
+    (64, 16384, True),
+    (64, 65536, True),
+    (64, 4096, False),
+    (64, 4096, True),
+    (32, 16384, False),
+    (32, 65536, False),
+    (32, 131072, False),
+    (32, 16384, True),
+    (32, 4096, False),
+    (32, 4096, True),
+)
+ROUNDS = 7
+
+
+def ws_name(stages: int, lag: int, convert: bool, warpgroups: int) -> str:
+    return f"ws wg{warpgroups}/s{stages}/lag{lag}" + ("/convert" if convert else "")
+
+
+def ws_runner(p, buf, stages: int, lag: int, convert: bool, warpgroups: int):
+    from kernels.logits_ws import launch_logits_ws
+
+    chunks = chunk_plan(p)
+
+    def run() -> None:
+        for r0, r1, col0, width in chunks:
+            out = buf[: (r1 - r0) * width].view(r1 - r0, width)
+            launch_logits_ws(
+                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
+                heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, stages=stages, lag=lag,
+                convert=convert, warpgroups=warpgroups,
+            )  # fmt: skip
+
+    return run
+
+
+def compare(p, makers: dict) -> dict[str, dict]:
+    """Each WS variant's last-chunk scores against the fixed config's (`makers`: name ->
+    runner writing into a given buffer)."""
+    r0, r1, _, width = chunk_plan(p)[-1]
+    n = (r1 - r0) * width
+    base = logits_buffer(p)
+    base.fill_(float("nan"))
+    makers[FIXED_NAME](base)()
+    want = base[:n].view(r1 - r0, width).clone()
+    res = {}
+    for name, make in makers.items():
+        if name == FIXED_NAME:
+            continue
+        outs = []
+        for _ in range(2):
+            base.fill_(float("nan"))
+            make(base)()
+            outs.append(base[:n].view(r1 - r0, width).clone())
+        written = ~torch.isnan(want)
+        same_written = bool(torch.equal(written, ~torch.isnan(outs[0])))
+        scale = want.nan_to_num(0.0).abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        diff = ((outs[0] - want).abs() / scale).nan_to_num(0.0).amax().item()
+        res[name] = {
+            "same_written": same_written,
+            "max_rel_diff": diff,
+            "deterministic": bool(
+                torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+            ),
+            "bitwise_equal_fixed": bool(
+                torch.equal(outs[0].view(torch.int32), want.view(torch.int32))
+            ),
+        }
+    return res
+
+
+def probe(out: Path | None) -> dict:
+    res: dict = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_description(),
+        "command": command_line(),
+        "shapes": [],
+    }
+    for h, s, packed in SHAPES:
+        ks, ke = row_ranges(s, packed)
+        flops = 2 * h * D * count_pairs(ks, ke)
+        q, k, w = random_row(s, h, seed=s + h + packed)
+        p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+        shape = shape_name(h, s, packed)
+        makers = {FIXED_NAME: lambda b, p=p: logits_runner(p, FIXED_LOGITS_CONFIG, b)}
+        for v in WS_VARIANTS:
+            makers[ws_name(*v)] = lambda b, v=v, p=p: ws_runner(p, b, *v)
+        try:
+            check = compare(p, makers)
+        except Exception as exc:  # report, keep timing the rest
+            check = {"error": repr(exc)[:400]}
+        print(shape, json.dumps(check), flush=True)
+        buf = logits_buffer(p)
+        runners = {FIXED_NAME: logits_runner(p, FIXED_LOGITS_CONFIG, buf)}
+        for v in WS_VARIANTS:
+            runners[ws_name(*v)] = ws_runner(p, buf, *v)
+        ms = time_interleaved(runners, ROUNDS)
+        res["shapes"].append(
+            {
+                "shape": shape,
+                "ms": ms,
+                "tflops": {n: flops / (v * 1e9) for n, v in ms.items()},
+                "check": check,
+            }
+        )
+        print(shape, json.dumps({n: round(v, 4) for n, v in ms.items()}), flush=True)
+        del p, buf, q, k, w
+        torch.cuda.empty_cache()
+    res["markdown"] = markdown(res)
+    return save_probe(out, "logits_ws_probe", res)
+
+
+def markdown(res: dict) -> str:
+    shapes = res["shapes"]
+    names = list(shapes[0]["ms"])  # the fixed config first, then the run's variants
+    head = ["kernel", *(r["shape"] for r in shapes)]
+    body = []
+    for name in names:
+        row: list[object] = [name]
+        for r in shapes:
+            if name not in r["ms"]:
+                row.append("-")
+                continue
+            base = r["ms"][FIXED_NAME]
+            row.append(f"{r['ms'][name]:.3f} ({r['ms'][name] / base:.3f}), {r['tflops'][name]:.0f}")
+        body.append(row)
+    good = {"same_written": True, "max_rel_diff": 0.0, "deterministic": True}
+    bad = [
+        f"{r['shape']} {name}: {json.dumps(c)}"
+        for r in shapes
+        for name, c in r["check"].items()
+        if not isinstance(c, dict) or any(c.get(k) != v for k, v in good.items())
+    ]
+    bitwise = all(
+        isinstance(c, dict) and c.get("bitwise_equal_fixed")
+        for r in shapes
+        for c in r["check"].values()
+    )
+    checks = (
+        "at every shape, every variant wrote the fixed config's positions, its scores are "
+        + ("bitwise equal to the fixed config's" if bitwise else "within fp32 rounding of them")
+        + " and two runs of it are bitwise equal"
+        if not bad
+        else "; ".join(bad)
+    )
+    return (
+        f"Measured {res['date']}. Logits ms (ratio to the fixed config), TFLOP/s; all chunks "
+        f"of a topk call, interleaved, {ROUNDS} rounds, medians.\n\n"
+        + markdown_table(head, body)
+        + f"\n\nScores of the last chunk against the fixed config's: {checks}.\n"
+    )
+
+
+def profile(which: str) -> None:
+    """Two launches at 16K causal, H = 64 of the fixed config or `ws4` / `ws2` (s4/lag2/convert
+    with 4 or 2 warpgroups a CTA), for `ncu --launch-skip 1 --launch-count 1`."""
+    ks, ke = row_ranges(16384, packed=False)
+    q, k, w = random_row(16384, 64, seed=1)
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    buf = logits_buffer(p)
+    if which == "fixed":
+        run = logits_runner(p, FIXED_LOGITS_CONFIG, buf)
+    else:
+        run = ws_runner(p, buf, 4, 2, True, int(which[2:]))
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--profile"]:
+        profile(sys.argv[2])
+        return
+    probe_main(__doc__, TITLE, "logits_ws_probe.py", "logits_ws_probe.json", probe)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The warp-specialised logits kernel (Gluon, sm_90 only): a measured candidate, not used.
+
+The same scores as `kernels.logits` (`score[t, s] = k_scale[s] * sum_h wq[t, h] *
+relu(q8[t, h] . k8[s])`, written in range only, same operands and output rules), bitwise
+equal to the fixed Triton config's on the H200 (the probe and the `gpu` tests check it),
+computed by one CTA of four warpgroups (or two) that share every key tile:
+
+- Each warpgroup owns one query block of 128 (query, head) columns (2 queries at H = 64, 4 at
+  H = 32). Its accumulator is [64 keys, 128 columns] (64 registers a thread) and its weights
+  32: 128 registers, so four warpgroups (512 threads) fill the register file: 16 warps an SM,
+  where the Triton kernel holds 12, and each key tile is read from L2 once for 8 queries at
+  H = 64 (4 in the Triton kernel).
+- Key tiles come by TMA into a ring of STAGES buffers; `ready[s]` (TMA bytes) and `empty[s]`
+  (one arrive per warpgroup after its wgmma) are mbarriers: no CTA-wide barrier in the loop
+  (the Triton kernel meets one every tile, its cp.async pipeline), so the warpgroups drift
+  apart and one's MMA can run under the others' epilogues.
+- Warpgroup 0 also issues the loads: at tile i it refills the buffer of tile i - LAG (once all
+  warpgroups are done with it) with tile i + STAGES - LAG. A loader warp of its own would need
+  registers the four warpgroups use up.
+- The epilogue is the Triton kernel's tree (relu as x + |x| with half weights, the head sum in
+  registers and two shuffles); `convert` then moves the scores to one a thread (through shared
+  memory, one barrier of the warpgroup) for a single coalesced store, else each thread stores
+  the four it holds (duplicated across a lane quad, three of four stores predicated off).
+
+Measured on the H200 (`benchmarks/logits_ws_probe.py`, four runs, v12 in docs/KERNELS.md),
+against the fixed config in the same run: at H = 64 0.6-4.6% slower on causal rows up to 64K
+keys, 2.4-3.0% faster at 128K, 3-8% slower on packed rows (9-34% on 4K packed rows); at
+H = 32 up to 12.5% faster on causal rows (4K 0.88, 16K 0.97, 128K 0.92), 3-38% slower on
+packed ones. Nsight Compute at 16K
+causal, H = 64: tensor pipe 56% (fixed 58%), 8.8 cycles between a warp's instructions with
+16 warps (6.3 with 12), the largest stall the barrier (wgmma wait and the warpgroup barrier).
+A persistent form (one CTA an SM, the next block's queries loaded under the last one's tiles)
+was slower still and was removed.
+
+`launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
+with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK_K = 64  # keys a tile (the wgmma's M)
+BLOCK_N = 128  # (query, head) columns a warpgroup (the wgmma's N)
+WARPGROUPS = 4
+
+
+@gluon.constexpr_function
+def _one_score_layout(block_k, queries):
+    """[block_k keys, queries] over one warpgroup, one score a thread where it can: lane bit 0
+    query bit 0, lane bit 1 key bit 3, lane bits 2-4 key bits 0-2, warps key bits 4-5, further
+    query bits in registers (the head sum's layout, with its 4-lane broadcast spent)."""
+    assert block_k == 64 and queries >= 2
+    regs = [[0, 2 << i] for i in range(queries.bit_length() - 2)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs, lane_bases=[[0, 1], [8, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[block_k, queries],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles,
+                BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """TMA key tile j into buffer j % STAGES once every warpgroup released its last use."""
+    if j < n_tiles:
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [start + j * BLOCK_K, 0], ready.index(s), k_bufs.index(s)
+        )
+
+
+@gluon.jit
+def _consumer(
+    q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr,
+    row0, n_rows, col0, stride_out, blk, start, n_tiles,
+    H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
+    WGI: gl.constexpr, LAG: gl.constexpr, CONVERT: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup WGI: its query block's scores over the CTA's key tiles."""
+    BLOCK_N: gl.constexpr = 128
+    QW: gl.constexpr = BLOCK_N // H
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    q0 = blk * QUERIES + WGI * QW  # chunk-local first query of this warpgroup
+    qh = (row0 + q0).to(gl.int64) * H + cols
+    wq = gl.load(wq_ptr + qh, mask=cols < (n_rows - q0) * H, other=0.0) * 0.5
+    zero = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
+    # the head sum's layout (key rows, queries): what the scores are stored from
+    sum_layout: gl.constexpr = gl.sum(gl.reshape(zero, [BLOCK_K, QW, H]), axis=2).type.layout
+    if CONVERT:
+        out_layout: gl.constexpr = _one_score_layout(BLOCK_K, QW)
+    else:
+        out_layout: gl.constexpr = sum_layout
+    rows = q0 + gl.arange(0, QW, layout=gl.SliceLayout(0, out_layout))
+    row_ok = rows < n_rows
+    ks = gl.load(ks_ptr + row0 + rows, mask=row_ok, other=2147483647)
+    ke = gl.load(ke_ptr + row0 + rows, mask=row_ok, other=0)
+    out_rows = out_ptr + rows.to(gl.int64) * stride_out - col0
+    keys = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, out_layout))
+    b = q_smem.slice(WGI * BLOCK_N, BLOCK_N).permute((1, 0))  # [D, 128] K-major
+    if WGI == 0:
+        for j in gl.static_range(STAGES - LAG):
+            _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles, BLOCK_K, STAGES)
+    for i in range(n_tiles):
+        if WGI == 0:
+            _issue_tile(
+                k_desc, k_bufs, ready, empty, start, i + STAGES - LAG, n_tiles, BLOCK_K, STAGES
+            )
+        s = i % STAGES
+        offs = start + i * BLOCK_K + keys
+        ksc = gl.load(kscale_ptr + offs)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        acc = warpgroup_mma(k_bufs.index(s), b, zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+        x = (acc + gl.abs(acc)) * wq[None, :]
+        score = gl.sum(gl.reshape(x, [BLOCK_K, QW, H]), axis=2)
+        if CONVERT:
+            score = gl.convert_layout(score, out_layout)
+        score = score * ksc[:, None]
+        valid = (offs[:, None] >= ks[None, :]) & (offs[:, None] < ke[None, :])
+        gl.store(out_rows[None, :] + offs[:, None], score, mask=valid)
+
+
+@gluon.jit(do_not_specialize=["row0", "n_rows", "col0"])
+def _ws_logits_kernel(
+    q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
+    H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
+    LAG: gl.constexpr, CONVERT: gl.constexpr, NWG: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """One CTA: QUERIES queries (heaviest first), NWG warpgroups over [min ks, max ke)."""
+    blk = gl.cdiv(n_rows, QUERIES) - 1 - gl.program_id(0)
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    r = blk * QUERIES + gl.arange(0, QUERIES, layout=lay)
+    ok = r < n_rows
+    lo = gl.min(gl.load(ks_ptr + row0 + r, mask=ok, other=2147483647), axis=0)
+    hi = gl.max(gl.load(ke_ptr + row0 + r, mask=ok, other=0), axis=0)
+    start = (lo // BLOCK_K) * BLOCK_K
+    n_tiles = gl.maximum(gl.cdiv(hi - start, BLOCK_K), 0)
+
+    BLOCK_N: gl.constexpr = QUERIES * H
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    QBOX: gl.constexpr = q_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, D], q_desc.layout)
+    ring: gl.constexpr = [STAGES] + k_desc.block_type.shape  # noqa: RUF005 (jit code)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, ring, k_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=NWG)
+    mbarrier.init(qbar, count=1)
+    mbarrier.expect(qbar, BLOCK_N * D)
+    for j in gl.static_range(BLOCK_N // QBOX):
+        tma.async_copy_global_to_shared(
+            q_desc, [(row0 + blk * QUERIES) * H + j * QBOX, 0], qbar, q_smem.slice(j * QBOX, QBOX)
+        )
+    mbarrier.wait(qbar, 0)
+    # the partitions' arguments are spelled out in full: in Triton 3.6's Gluon a tuple bound to
+    # a name turns its constexprs (H, BLOCK_K, ...) into tensors, so it cannot be built once
+    if NWG == 4:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
+                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                             H, BLOCK_K, QUERIES, STAGES, 0, LAG, CONVERT)),
+                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
+                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                             H, BLOCK_K, QUERIES, STAGES, 1, LAG, CONVERT)),
+                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
+                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                             H, BLOCK_K, QUERIES, STAGES, 2, LAG, CONVERT)),
+                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
+                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                             H, BLOCK_K, QUERIES, STAGES, 3, LAG, CONVERT)),
+            ],
+            [4, 4, 4],
+            [128, 128, 128],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
+                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                             H, BLOCK_K, QUERIES, STAGES, 0, LAG, CONVERT)),
+                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
+                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                             H, BLOCK_K, QUERIES, STAGES, 1, LAG, CONVERT)),
+            ],
+            [4],
+            [128],
+        )  # fmt: skip
+
+
+def queries_per_cta(heads: int, warpgroups: int = WARPGROUPS) -> int:
+    return warpgroups * (BLOCK_N // heads)
+
+
+_DESCS: dict = {}  # the last few descriptors (each holds its tensor)
+
+
+def _desc(t: torch.Tensor, block: list[int]):
+    """A TMA descriptor of t (reused while t is one of the last few tensors described)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    key = (t.data_ptr(), tuple(t.shape), t.dtype, tuple(block))
+    d = _DESCS.get(key)
+    if d is None or d.base is not t:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+        d = _DESCS[key] = TensorDescriptor.from_tensor(t, block, layout)
+        while len(_DESCS) > 8:
+            _DESCS.pop(next(iter(_DESCS)))
+    return d
+
+
+def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, col0,
+                     stages: int = 4, lag: int = 2, convert: bool = True,
+                     warpgroups: int = WARPGROUPS):  # fmt: skip
+    """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128)."""
+    if n_rows <= 0:
+        return None
+    if heads not in (32, 64):  # the head counts the GPU tests run
+        raise ValueError(f"launch_logits_ws: heads={heads}: must be 32 or 64")
+    if k8.shape[0] % BLOCK_K or q8.shape[1] != 128:
+        raise ValueError(
+            f"launch_logits_ws: keys={k8.shape[0]}, D={q8.shape[1]}: keys must be padded to a "
+            f"multiple of {BLOCK_K} and D be 128"
+        )
+    if stages not in (3, 4) or not 1 <= lag < stages:
+        # 6 stages with lag 2 at two warpgroups a CTA wrote wrong, run-to-run different scores
+        # on the H200 (v12 in docs/KERNELS.md; cause not found): only what passed is allowed
+        raise ValueError(
+            f"launch_logits_ws: stages={stages}, lag={lag}: need stages 3 or 4, 1 <= lag < stages"
+        )
+    if warpgroups not in (2, 4):
+        raise ValueError(f"launch_logits_ws: warpgroups={warpgroups}: must be 2 or 4")
+    queries = queries_per_cta(heads, warpgroups)
+    qbox = min(queries * heads, 256)
+    descs = (_desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]))
+    n_blk = triton.cdiv(n_rows, queries)
+    return _ws_logits_kernel[(n_blk,)](
+        *descs, k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
+        H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
+        CONVERT=convert, NWG=warpgroups, num_warps=4, maxnreg=128,
+    )  # fmt: skip
