@@ -22,15 +22,16 @@ computed by one CTA of four warpgroups (or two) that share every key tile:
   memory, one barrier of the warpgroup) for a single coalesced store, else each thread stores
   the four it holds (duplicated across a lane quad, three of four stores predicated off).
 
-Measured on the H200 (`benchmarks/logits_ws_probe.py`, four runs, v12 in docs/KERNELS.md),
-against the fixed config in the same run: at H = 64 0.6-4.6% slower on causal rows up to 64K
-keys, 2.4-3.0% faster at 128K, 3-8% slower on packed rows (9-34% on 4K packed rows); at
-H = 32 up to 12.5% faster on causal rows (4K 0.88, 16K 0.97, 128K 0.92), 3-38% slower on
-packed ones. Nsight Compute at 16K
-causal, H = 64: tensor pipe 56% (fixed 58%), 8.8 cycles between a warp's instructions with
-16 warps (6.3 with 12), the largest stall the barrier (wgmma wait and the warpgroup barrier).
-A persistent form (one CTA an SM, the next block's queries loaded under the last one's tiles)
-was slower still and was removed.
+Measured on the H200 (`benchmarks/logits_ws_probe.py`, five runs, v12 in docs/KERNELS.md),
+against the fixed config in the same run: at H = 64 0.99-1.05 on causal rows up to 64K keys,
+0.97-0.99 at 128K, 1.03-1.08 on packed rows (1.09-1.34 at 4K); at H = 32 0.88-1.01 on causal
+rows (4K 0.88, 16K 0.97, 128K 0.92), 1.03 on 16K packed rows, 1.28-1.44 on 4K packed ones.
+Nsight Compute at 16K causal, H = 64: tensor pipe 56% (fixed 58%), 8.8 cycles between a
+warp's instructions with 16 warps (6.3 with 12), the largest stall the barrier (wgmma wait
+and the warpgroup barrier). A persistent form (one CTA an SM, the next block's queries loaded
+under the last one's tiles) was slower still and was removed, as was a two-accumulator form
+(64 columns a warpgroup, tiles in pairs, one tile's epilogue under the next one's wgmma):
+1.2-1.4x slower.
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
 with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU.
