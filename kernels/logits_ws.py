@@ -3,7 +3,7 @@
 The same scores as `kernels.logits` (`score[t, s] = k_scale[s] * sum_h wq[t, h] *
 relu(q8[t, h] . k8[s])`, written in range only, same operands and output rules), bitwise
 equal to the fixed Triton config's on the H200 (the probe and the `gpu` tests check it),
-computed by one CTA of four warpgroups (or two) that share every key tile:
+computed by one CTA of four warpgroups that share every key tile:
 
 - Each warpgroup owns one query block of 128 (query, head) columns (2 queries at H = 64, 4 at
   H = 32). Its accumulator is [64 keys, 128 columns] (64 registers a thread) and its weights
@@ -15,15 +15,16 @@ computed by one CTA of four warpgroups (or two) that share every key tile:
   (the Triton kernel meets one every tile, its cp.async pipeline), so the warpgroups drift
   apart and one's MMA can run under the others' epilogues.
 - Warpgroup 0 also issues the loads: at tile i it refills the buffer of tile i - LAG (once all
-  warpgroups are done with it) with tile i + STAGES - LAG. A loader warp of its own would need
-  registers the four warpgroups use up.
+  warpgroups are done with it) with tile i + STAGES - LAG, so STAGES - LAG tiles are in flight
+  ahead of it (2 at the default 4 and 2). A loader warp of its own would need registers the
+  four warpgroups use up.
 - The epilogue is the Triton kernel's tree (relu as x + |x| with half weights, the head sum in
   registers and two shuffles); `convert` then moves the scores to one a thread (through shared
   memory, one barrier of the warpgroup) for a single coalesced store, else each thread stores
   the four it holds (duplicated across a lane quad, three of four stores predicated off).
 
 Measured on the H200 (`benchmarks/logits_ws_probe.py`, five runs, v12 in docs/KERNELS.md),
-against the fixed config in the same run: at H = 64 0.99-1.05 on causal rows up to 64K keys,
+against the fixed config in the same run: at H = 64 0.99-1.06 on causal rows up to 64K keys,
 0.97-0.99 at 128K, 1.03-1.08 on packed rows (1.09-1.34 at 4K); at H = 32 0.88-1.01 on causal
 rows (4K 0.88, 16K 0.97, 128K 0.92), 1.03 on 16K packed rows, 1.28-1.44 on 4K packed ones.
 Nsight Compute at 16K causal, H = 64: tensor pipe 56% (fixed 58%), 8.8 cycles between a
@@ -31,13 +32,18 @@ warp's instructions with 16 warps (6.3 with 12), the largest stall the barrier (
 and the warpgroup barrier). A persistent form (one CTA an SM, the next block's queries loaded
 under the last one's tiles) was slower still and was removed, as was a two-accumulator form
 (64 columns a warpgroup, tiles in pairs, one tile's epilogue under the next one's wgmma):
-1.2-1.4x slower.
+1.2-1.4x slower. Two warpgroups a CTA (2 CTAs an SM) were 3-10% slower at H = 64 and, with
+the converted store and 5-6 ring stages, wrote wrong, run-to-run different scores (cause not
+found: the store's shared-memory scratch is the suspect); that form is gone and the launcher
+allows 3-4 stages only.
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
 with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -83,7 +89,7 @@ def _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles,
 
 @gluon.jit
 def _consumer(
-    q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr,
+    q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr,
     row0, n_rows, col0, stride_out, blk, start, n_tiles,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
     WGI: gl.constexpr, LAG: gl.constexpr, CONVERT: gl.constexpr,
@@ -112,6 +118,11 @@ def _consumer(
     out_rows = out_ptr + rows.to(gl.int64) * stride_out - col0
     keys = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, out_layout))
     b = q_smem.slice(WGI * BLOCK_N, BLOCK_N).permute((1, 0))  # [D, 128] K-major
+    # the queries' TMA has landed (the CTA's first warps waited before the partitions began;
+    # this wait makes each partition's own ordering explicit and costs one completed-phase test)
+    mbarrier.wait(qbar, 0)
+    # a warpgroup whose queries are all past n_rows (the last CTA) still runs every tile: the
+    # ring's `empty` barriers count one arrive from each of the four warpgroups
     if WGI == 0:
         for j in gl.static_range(STAGES - LAG):
             _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles, BLOCK_K, STAGES)
@@ -140,9 +151,9 @@ def _consumer(
 def _ws_logits_kernel(
     q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    LAG: gl.constexpr, CONVERT: gl.constexpr, NWG: gl.constexpr, num_warps: gl.constexpr,
+    LAG: gl.constexpr, CONVERT: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """One CTA: QUERIES queries (heaviest first), NWG warpgroups over [min ks, max ke)."""
+    """One CTA: QUERIES queries (heaviest first), four warpgroups over [min ks, max ke)."""
     blk = gl.cdiv(n_rows, QUERIES) - 1 - gl.program_id(0)
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     r = blk * QUERIES + gl.arange(0, QUERIES, layout=lay)
@@ -163,7 +174,7 @@ def _ws_logits_kernel(
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=NWG)
+        mbarrier.init(empty.index(j), count=4)
     mbarrier.init(qbar, count=1)
     mbarrier.expect(qbar, BLOCK_N * D)
     for j in gl.static_range(BLOCK_N // QBOX):
@@ -173,88 +184,109 @@ def _ws_logits_kernel(
     mbarrier.wait(qbar, 0)
     # the partitions' arguments are spelled out in full: in Triton 3.6's Gluon a tuple bound to
     # a name turns its constexprs (H, BLOCK_K, ...) into tensors, so it cannot be built once
-    if NWG == 4:
-        gl.warp_specialize(
-            [
-                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
-                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                             H, BLOCK_K, QUERIES, STAGES, 0, LAG, CONVERT)),
-                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
-                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                             H, BLOCK_K, QUERIES, STAGES, 1, LAG, CONVERT)),
-                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
-                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                             H, BLOCK_K, QUERIES, STAGES, 2, LAG, CONVERT)),
-                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
-                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                             H, BLOCK_K, QUERIES, STAGES, 3, LAG, CONVERT)),
-            ],
-            [4, 4, 4],
-            [128, 128, 128],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
-                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                             H, BLOCK_K, QUERIES, STAGES, 0, LAG, CONVERT)),
-                (_consumer, (q_smem, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr,
-                             out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                             H, BLOCK_K, QUERIES, STAGES, 1, LAG, CONVERT)),
-            ],
-            [4],
-            [128],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
+                         ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                         H, BLOCK_K, QUERIES, STAGES, 0, LAG, CONVERT)),
+            (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
+                         ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                         H, BLOCK_K, QUERIES, STAGES, 1, LAG, CONVERT)),
+            (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
+                         ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                         H, BLOCK_K, QUERIES, STAGES, 2, LAG, CONVERT)),
+            (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
+                         ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
+                         H, BLOCK_K, QUERIES, STAGES, 3, LAG, CONVERT)),
+        ],
+        [4, 4, 4],
+        [128, 128, 128],
+    )  # fmt: skip
 
 
-def queries_per_cta(heads: int, warpgroups: int = WARPGROUPS) -> int:
-    return warpgroups * (BLOCK_N // heads)
+def queries_per_cta(heads: int) -> int:
+    return WARPGROUPS * (BLOCK_N // heads)
 
 
-_DESCS: dict = {}  # the last few descriptors (each holds its tensor)
+@functools.cache
+def _fp8_layout(block: tuple[int, ...]):
+    """The TMA / wgmma shared layout of an fp8 block (made once a shape: making it costs host
+    time that the 0.03-0.1 ms launches of 4K rows would show)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
 
 
 def _desc(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor of t (reused while t is one of the last few tensors described)."""
+    """A TMA descriptor of the fp8 matrix t, `block` rows x columns a copy. Made each launch
+    (the CUtensorMap is anyway): a cached one would keep its tensor alive."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    key = (t.data_ptr(), tuple(t.shape), t.dtype, tuple(block))
-    d = _DESCS.get(key)
-    if d is None or d.base is not t:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-        d = _DESCS[key] = TensorDescriptor.from_tensor(t, block, layout)
-        while len(_DESCS) > 8:
-            _DESCS.pop(next(iter(_DESCS)))
-    return d
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _fp8_layout(tuple(block)))
+
+
+def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag):
+    """What `launch_logits_ws` needs of its arguments, as ValueErrors (a TMA descriptor or the
+    kernel would otherwise crash, or write wrong scores without a word)."""
+    where = "launch_logits_ws"
+    if heads not in (32, 64):  # the head counts the GPU tests run
+        raise ValueError(f"{where}: heads={heads}: must be 32 or 64")
+    if stages not in (3, 4) or not 1 <= lag < stages:
+        # two warpgroups a CTA with 5-6 stages wrote wrong, run-to-run different scores on the
+        # H200 (v12 in docs/KERNELS.md; cause not found): only what passed is allowed
+        raise ValueError(
+            f"{where}: stages={stages}, lag={lag}: need stages 3 or 4, 1 <= lag < stages"
+        )
+    if n_rows <= 0:
+        return
+    fp8, f32, i32 = torch.float8_e4m3fn, torch.float32, torch.int32
+    tensors = (
+        ("q8", q8, fp8), ("k8", k8, fp8), ("wq", wq, f32), ("k_scale", k_scale, f32),
+        ("ks", ks, i32), ("ke", ke, i32), ("out", out, f32),
+    )  # fmt: skip
+    for name, t, dtype in tensors:
+        if t.dtype != dtype or t.device != q8.device:
+            raise ValueError(
+                f"{where}: {name} is {t.dtype} on {t.device}: need {dtype} on q8's device"
+            )
+    if q8.dim() != 2 or k8.dim() != 2 or q8.shape[1] != 128 or k8.shape[1] != 128:
+        raise ValueError(f"{where}: q8 {tuple(q8.shape)}, k8 {tuple(k8.shape)}: need D = 128")
+    if not (q8.is_contiguous() and k8.is_contiguous() and wq.is_contiguous()):
+        raise ValueError(f"{where}: q8, k8 and wq must be contiguous")
+    if k8.shape[0] % BLOCK_K or k_scale.numel() != k8.shape[0]:
+        raise ValueError(
+            f"{where}: keys={k8.shape[0]}: keys must be padded to a multiple of {BLOCK_K}, with "
+            f"one k_scale each ({k_scale.numel()} given)"
+        )
+    rows = row0 + n_rows
+    if (
+        q8.shape[0] < rows * heads
+        or wq.numel() < rows * heads
+        or min(ks.numel(), ke.numel()) < rows
+    ):
+        raise ValueError(f"{where}: rows [{row0}, {rows}) exceed q8, wq, ks or ke")
+    if out.dim() != 2 or out.stride(1) != 1 or out.shape[0] < n_rows:
+        raise ValueError(f"{where}: out {tuple(out.shape)}: need [>= {n_rows}, keys - col0] rows")
+    if col0 < 0 or col0 % 16:
+        # (the kernel writes columns ks - col0 to ke - col0 of each row: that out is wide
+        # enough for the rows' ranges is the caller's, as in `launch_logits`)
+        raise ValueError(f"{where}: col0={col0}: must be a non-negative multiple of 16")
+    if not q8.is_cuda:
+        raise ValueError(f"{where}: tensors on {q8.device}: need a CUDA device (sm_90)")
 
 
 def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, col0,
-                     stages: int = 4, lag: int = 2, convert: bool = True,
-                     warpgroups: int = WARPGROUPS):  # fmt: skip
-    """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128)."""
+                     stages: int = 4, lag: int = 2, convert: bool = True):  # fmt: skip
+    """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128; all
+    tensors on one GPU). Warpgroup 0 keeps stages - lag key tiles in flight ahead of its own.
+    `convert`: store one score a thread (else the four a thread holds, 3 of 4 lanes' stores
+    predicated off)."""
+    _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
     if n_rows <= 0:
         return None
-    if heads not in (32, 64):  # the head counts the GPU tests run
-        raise ValueError(f"launch_logits_ws: heads={heads}: must be 32 or 64")
-    if k8.shape[0] % BLOCK_K or q8.shape[1] != 128:
-        raise ValueError(
-            f"launch_logits_ws: keys={k8.shape[0]}, D={q8.shape[1]}: keys must be padded to a "
-            f"multiple of {BLOCK_K} and D be 128"
-        )
-    if stages not in (3, 4) or not 1 <= lag < stages:
-        # 6 stages with lag 2 at two warpgroups a CTA wrote wrong, run-to-run different scores
-        # on the H200 (v12 in docs/KERNELS.md; cause not found): only what passed is allowed
-        raise ValueError(
-            f"launch_logits_ws: stages={stages}, lag={lag}: need stages 3 or 4, 1 <= lag < stages"
-        )
-    if warpgroups not in (2, 4):
-        raise ValueError(f"launch_logits_ws: warpgroups={warpgroups}: must be 2 or 4")
-    queries = queries_per_cta(heads, warpgroups)
+    queries = queries_per_cta(heads)
     qbox = min(queries * heads, 256)
-    descs = (_desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]))
-    n_blk = triton.cdiv(n_rows, queries)
-    return _ws_logits_kernel[(n_blk,)](
-        *descs, k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
+    return _ws_logits_kernel[(triton.cdiv(n_rows, queries),)](
+        _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
+        k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
         H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
-        CONVERT=convert, NWG=warpgroups, num_warps=4, maxnreg=128,
+        CONVERT=convert, num_warps=4, maxnreg=128,
     )  # fmt: skip

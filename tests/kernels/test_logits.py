@@ -284,27 +284,47 @@ def test_logits_config_rejects_bad_values() -> None:
 
 
 def test_warp_specialised_launcher_rejects_what_its_kernel_cannot_run() -> None:
-    # kernels.logits_ws runs on sm_90 only; its launcher's checks run before any launch
+    # kernels.logits_ws runs on sm_90 only; its launcher's checks run before any launch, so
+    # that a bad argument is a ValueError, not a crash in a TMA descriptor or wrong scores
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from kernels.logits_ws import launch_logits_ws, queries_per_cta
 
-    q8 = torch.zeros(8 * 64, 128)
-    k8 = torch.zeros(256, 128)
-    args = (q8, None, k8, None, None, None, None)
+    fp8 = torch.float8_e4m3fn
+    q8 = torch.zeros(8 * 64, 128, dtype=fp8)
+    k8 = torch.zeros(256, 128, dtype=fp8)
+    f32 = torch.zeros(8 * 64)
+    ks = ke = torch.zeros(8, dtype=torch.int32)
+    out = torch.zeros(8, 256)
+    args = (q8, f32, k8, torch.zeros(256), ks, ke, out)
     common = {"row0": 0, "n_rows": 8, "col0": 0}
+    # nothing to do: no check of the tensors, but of the heads and the ring
     assert launch_logits_ws(*args, heads=64, row0=0, n_rows=0, col0=0) is None
     for heads in (16, 48, 128):
         with pytest.raises(ValueError, match=rf"heads={heads}: must be 32 or 64"):
-            launch_logits_ws(*args, heads=heads, **common)
-    with pytest.raises(ValueError, match=r"keys=200, D=128: keys must be padded"):
-        launch_logits_ws(q8, None, k8[:200], None, None, None, None, heads=64, **common)
-    with pytest.raises(ValueError, match=r"keys=256, D=64"):
-        launch_logits_ws(q8[:, :64], None, k8, None, None, None, None, heads=64, **common)
-    with pytest.raises(ValueError, match=r"stages=4, lag=4: need stages 3 or 4"):
-        launch_logits_ws(*args, heads=64, stages=4, lag=4, **common)
-    with pytest.raises(ValueError, match=r"stages=6, lag=2"):  # wrong scores on the H200
-        launch_logits_ws(*args, heads=64, stages=6, lag=2, **common)
-    with pytest.raises(ValueError, match=r"warpgroups=3: must be 2 or 4"):
-        launch_logits_ws(*args, heads=64, warpgroups=3, **common)
+            launch_logits_ws(*args, heads=heads, row0=0, n_rows=0, col0=0)
+    for stages, lag in ((4, 4), (4, 0), (5, 2), (6, 2)):  # 6/2 wrote wrong scores on the H200
+        with pytest.raises(ValueError, match=rf"stages={stages}, lag={lag}: need stages 3 or 4"):
+            launch_logits_ws(*args, heads=64, stages=stages, lag=lag, **common)
+    # the tensors (on the CPU here: every check but the last runs without a GPU)
+    with pytest.raises(ValueError, match=r"q8 is torch.bfloat16 on cpu: need torch.float8"):
+        launch_logits_ws(q8.to(torch.bfloat16), *args[1:], heads=64, **common)
+    with pytest.raises(ValueError, match=r"ks is torch.int64"):
+        launch_logits_ws(*args[:4], ks.long(), *args[5:], heads=64, **common)
+    with pytest.raises(ValueError, match=r"out is torch.bfloat16"):
+        launch_logits_ws(*args[:6], out.to(torch.bfloat16), heads=64, **common)
+    with pytest.raises(ValueError, match=r"k8 \(256, 64\): need D = 128"):
+        launch_logits_ws(q8, f32, k8[:, :64], *args[3:], heads=64, **common)
+    with pytest.raises(ValueError, match=r"q8, k8 and wq must be contiguous"):
+        launch_logits_ws(q8.t().contiguous().t(), *args[1:], heads=64, **common)
+    with pytest.raises(ValueError, match=r"keys=200: keys must be padded to a multiple of 64"):
+        launch_logits_ws(q8, f32, k8[:200], torch.zeros(200), ks, ke, out, heads=64, **common)
+    with pytest.raises(ValueError, match=r"rows \[4, 12\) exceed q8, wq, ks or ke"):
+        launch_logits_ws(*args, heads=64, row0=4, n_rows=8, col0=0)
+    with pytest.raises(ValueError, match=r"out \(8, 256\): need"):
+        launch_logits_ws(*args[:6], out.t().contiguous().t(), heads=64, **common)
+    with pytest.raises(ValueError, match=r"col0=8: must be a non-negative multiple of 16"):
+        launch_logits_ws(*args, heads=64, row0=0, n_rows=8, col0=8)
+    with pytest.raises(ValueError, match=r"tensors on cpu: need a CUDA device"):
+        launch_logits_ws(*args, heads=64, **common)
     # four warpgroups of 128 (query, head) columns: 8 queries a CTA at H=64, 16 at H=32
-    assert [queries_per_cta(h) for h in (64, 32, 16)] == [8, 16, 32]
-    assert queries_per_cta(64, warpgroups=2) == 4
+    assert [queries_per_cta(h) for h in (64, 32)] == [8, 16]
