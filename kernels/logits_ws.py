@@ -220,7 +220,7 @@ def _desc(t: torch.Tensor, block: list[int]):
     (the CUtensorMap is anyway): a cached one would keep its tensor alive."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _fp8_layout(tuple(block)))
+    return TensorDescriptor.from_tensor(t, block, _fp8_layout(tuple(block)))
 
 
 def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag):
