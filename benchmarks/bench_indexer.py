@@ -330,9 +330,15 @@ def bench_varied_rows(cfg: IndexerConfig, h: int = 64) -> dict:
     launcher = fresh_autotuned_launcher()
     peer_cold = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher, config=cfg))
     peer_warm = run_all(lambda *a: autotuned_indexer_topk(*a, launcher=launcher, config=cfg))
+    # the peer autotunes the Triton kernel: its indices are compared with the fixed config's
+    # Triton form (the fixed config runs the warp-specialised kernel from 2^28 scores on sm_90,
+    # whose scores differ in fp32 rounding)
+    triton_cfg = dataclasses.replace(
+        cfg, logits=dataclasses.replace(cfg.logits, ws_min_scores=None)
+    )
     same = all(
         torch.equal(
-            fp8_indexer_topk(*r, TOPK, config=cfg),
+            fp8_indexer_topk(*r, TOPK, config=triton_cfg),
             autotuned_indexer_topk(*r, TOPK, launcher=launcher, config=cfg),
         )
         for r in rows[:2]
@@ -515,7 +521,7 @@ def main() -> None:
         body += (
             f"\n\nratio autotuned (with tuning) / fixed: {v['peer_cold_s'] / v['fixed_s']:.1f}x; "
         )
-        body += f"indices identical to the fixed config's: {v['same_indices']}\n"
+        body += f"indices identical to the fixed config's Triton kernel's: {v['same_indices']}\n"
     print("\n" + body)
     if out:
         (out / "indexer_bench.md").write_text(body)

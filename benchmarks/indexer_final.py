@@ -61,9 +61,9 @@ from benchmarks.bench_indexer import (
 )
 from benchmarks.indexer_peers import (
     SWEEP_CONFIGS,
-    V8_LOGITS_CONFIG,
     V9_LOGITS_CONFIG,
     V10_LOGITS_CONFIG,
+    V11_LOGITS_CONFIG,
 )
 from kernels.fp8_indexer import (
     FIXED_CONFIG,
@@ -80,15 +80,16 @@ TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 
 # Candidate fixed logits configs. The first is the committed fixed config (since v9: at H = 64
 # two 2-query blocks a program share each key tile, under a 168-register cap; since v10 relu as
-# x + |x|; since v11 launches under 2^25 scores one block a program); then v10's, v9's and the
-# fixed config up to v8 (one block a program). v9's runs (2026-12-03) measured the fma-chain
+# x + |x|; since v11 launches under 2^25 scores one block a program; since v13 H = 64 launches
+# from 2^28 scores the warp-specialised Gluon kernel on sm_90); then v11's, v10's and v9's (v8's
+# one-block kernel is in the sweep). v9's runs (2026-12-03) measured the fma-chain
 # head sum no faster at H = 64 and slower at H = 32, and reloading wq each tile instead of
 # holding it (128 registers) 1.1-1.4x slower: neither is re-measured. The sweep (SWEEP_CONFIGS) holds the other shared-tile and one-block neighbours.
 LOGITS_CANDIDATES: tuple[LogitsConfig, ...] = (
-    FIXED_LOGITS_CONFIG,  # since v11: launches under 2^25 scores one block a program
+    FIXED_LOGITS_CONFIG,  # since v13: H=64 launches from 2^28 scores warp-specialised (sm_90)
+    V11_LOGITS_CONFIG,
     V10_LOGITS_CONFIG,
     V9_LOGITS_CONFIG,
-    V8_LOGITS_CONFIG,
 )
 # The fixed top-k (split one-warp select with ballot compaction, prefetch and early exit, then
 # the one-warp radix order of the 2048 winners, peers from ballots). The torch sort and the

@@ -27,10 +27,12 @@ import triton
 from kernels.fp8_indexer import FIXED_CONFIG, IndexerConfig, indexer_topk_prepared, prepare_inputs
 from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, _indexer_logits_kernel
 
-# Earlier fixed configs, which the sweep, the final run and the probes compare against: v10's
-# (every launch in shared-tile pairs at H = 64, relu as x + |x|), v9's (relu as max) and the
-# one-block kernel of v2-v8
-V10_LOGITS_CONFIG = dataclasses.replace(FIXED_LOGITS_CONFIG, group_min_scores=None)
+# Earlier fixed configs, which the sweep, the final run and the probes compare against: v11's
+# (the Triton kernel at every launch: no warp-specialised kernel from 2^28 scores), v10's (every
+# launch in shared-tile pairs at H = 64, relu as x + |x|), v9's (relu as max) and the one-block
+# kernel of v2-v8
+V11_LOGITS_CONFIG = dataclasses.replace(FIXED_LOGITS_CONFIG, ws_min_scores=None)
+V10_LOGITS_CONFIG = dataclasses.replace(V11_LOGITS_CONFIG, group_min_scores=None)
 V9_LOGITS_CONFIG = dataclasses.replace(V10_LOGITS_CONFIG, pair_relu="max")
 V8_LOGITS_CONFIG = LogitsConfig(128, 64, 4, 3)
 
@@ -39,7 +41,8 @@ V8_LOGITS_CONFIG = LogitsConfig(128, 64, 4, 3)
 # first H200 run's three slowest (block_k 128 with 8 warps or 2 stages) made way for block_n 64
 # and 2-stage variants of the winner.
 SWEEP_CONFIGS: tuple[LogitsConfig, ...] = (
-    FIXED_LOGITS_CONFIG,  # since v11: launches under 2^25 scores one block a program
+    FIXED_LOGITS_CONFIG,  # since v13: H=64 launches from 2^28 scores warp-specialised (sm_90)
+    V11_LOGITS_CONFIG,
     V10_LOGITS_CONFIG,
     V9_LOGITS_CONFIG,
     LogitsConfig(128, 64, 4, 4, q_groups=2, pair_max_registers=168, pair_relu="abs"),

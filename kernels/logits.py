@@ -47,6 +47,7 @@ The fixed config and the sweep it came from are in docs/KERNELS.md.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
@@ -54,6 +55,8 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
+
+from kernels._triton_env import interpreting
 
 _SCHEDULES = ("serial", "pipelined")  # kernel bodies: see the module docstring
 
@@ -101,6 +104,15 @@ class LogitsConfig:
     Multi-block programs halve the grid, which small launches cannot fill (H = 64, 4K rows:
     1024 programs for 132 SMs, 1.01-1.15x slower than one block a program in v10's and v11's
     H200 runs). None: every launch runs the config as it is.
+    `ws_min_scores`: H = 64 launches of at least this many scores (rows x all padded keys) run
+    the warp-specialised Gluon kernel instead (`kernels.logits_ws`, "banks" epilogue: four
+    warpgroups a CTA over shared TMA key tiles, each splitting its 128 columns into two wgmmas
+    and summing the first's heads while the second runs) on an sm_90 GPU whose Triton has
+    Gluon (`runs_warp_specialised`); elsewhere the Triton kernel. It sums a thread's heads in
+    another order: scores equal to fp32 rounding, not bitwise, across the threshold and across
+    GPU kinds (bitwise the same from call to call on one kind). 0.94-1.00 of the Triton
+    kernel's time from 16K rows x 16K keys in v13's H200 runs, 1.03-1.04 at 8K packed rows,
+    1.6-1.8 at 4K (v13 in docs/KERNELS.md). None: the Triton kernel everywhere.
     """
 
     block_n: int = 128
@@ -114,6 +126,7 @@ class LogitsConfig:
     pair_max_registers: int | None = None
     pair_relu: Literal["max", "abs"] = "max"
     group_min_scores: int | None = None
+    ws_min_scores: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -147,6 +160,10 @@ class LogitsConfig:
             raise ValueError(
                 f"LogitsConfig.group_min_scores={self.group_min_scores}: must be >= 1 or None"
             )
+        if self.ws_min_scores is not None and self.ws_min_scores < 1:
+            raise ValueError(
+                f"LogitsConfig.ws_min_scores={self.ws_min_scores}: must be >= 1 or None"
+            )
         if self.q_groups not in (1, 2, 4):
             raise ValueError(f"LogitsConfig.q_groups={self.q_groups}: must be 1, 2 or 4")
         if self.q_groups != 1 and self.schedule != "serial":
@@ -178,8 +195,9 @@ class LogitsConfig:
         # made once: a new frozen dataclass each launch costs ~10 us of host time, which the
         # small launches that take this form (0.04-0.15 ms kernels) cannot hide
         return replace(
-            self, q_groups=1, pair_max_registers=None, pair_relu="max", group_min_scores=None
-        )
+            self, q_groups=1, pair_max_registers=None, pair_relu="max", group_min_scores=None,
+            ws_min_scores=None,
+        )  # fmt: skip
 
     def abs_relu(self, heads: int) -> bool:
         """Whether the kernel for `heads` heads takes relu as x + |x| (multi-block programs)."""
@@ -221,7 +239,43 @@ class LogitsConfig:
             tag += f"/{self.pair_relu}"
         if self.group_min_scores is not None:
             tag += f"/g>={_count(self.group_min_scores)}"
+        if self.ws_min_scores is not None:
+            tag += f"/ws>={_count(self.ws_min_scores)}"
         return tag
+
+    def runs_warp_specialised(self, q8: torch.Tensor, k8: torch.Tensor, heads: int,
+                              n_rows: int, col0: int) -> bool:  # fmt: skip
+        """Whether a launch runs `kernels.logits_ws` (banks epilogue) instead of the Triton
+        kernel: at least `ws_min_scores` scores (rows x all padded keys) at 64 heads, D = 128,
+        contiguous q8 and k8, keys padded to 64, col0 a multiple of 16, on an sm_90 GPU whose
+        Triton has Gluon's Hopper warp specialisation (not under TRITON_INTERPRET). Every other
+        launch runs the config's Triton kernel."""
+        return (
+            self.ws_min_scores is not None
+            and heads == 64
+            and n_rows * k8.shape[0] >= self.ws_min_scores
+            and q8.is_cuda
+            and q8.shape[1] == 128
+            and q8.is_contiguous()
+            and k8.is_contiguous()
+            and k8.shape[0] % 64 == 0
+            and col0 % 16 == 0
+            and not interpreting()
+            and _gluon_hopper(q8.device)
+        )
+
+
+@functools.cache
+def _gluon_hopper(device: torch.device) -> bool:
+    """An sm_90 GPU and a Triton whose Gluon has Hopper warp specialisation (one check a
+    device; Triton 3.6 on the H200 has it)."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        import kernels.logits_ws  # noqa: F401 (Gluon's Hopper modules import or not)
+    except ImportError:
+        return False
+    return True
 
 
 def _count(n: int) -> str:
@@ -235,8 +289,9 @@ def _count(n: int) -> str:
 # Chosen by the H200 sweeps recorded in docs/KERNELS.md (fixed for every row length): 128
 # (query, head) columns x 64 keys, one warpgroup, 3 stages. At H = 64 two 2-query blocks share
 # each key tile (q_groups, v9): 168 registers, 57 KB of shared memory, 3 programs an SM, relu
-# as x + |x| (v10); launches under 2^25 scores (4K rows at 4K keys) one block a program (v11).
-# At H = 32 one 4-query block a program: 128 registers, 41 KB, 4 programs an SM.
+# as x + |x| (v10); launches under 2^25 scores (4K rows at 4K keys) one block a program (v11);
+# launches of 2^28 scores and more (16K rows at 16K keys) the warp-specialised Gluon kernel on
+# sm_90 (v13). At H = 32 one 4-query block a program: 128 registers, 41 KB, 4 programs an SM.
 FIXED_LOGITS_CONFIG = LogitsConfig(
     block_n=128,
     block_k=64,
@@ -246,6 +301,7 @@ FIXED_LOGITS_CONFIG = LogitsConfig(
     pair_max_registers=168,
     pair_relu="abs",
     group_min_scores=1 << 25,
+    ws_min_scores=1 << 28,
 )
 
 
@@ -489,6 +545,13 @@ def launch_logits(
     if n_rows <= 0:
         return None
     s_k = k8.shape[0]
+    if config.runs_warp_specialised(q8, k8, heads, n_rows, col0):
+        from kernels.logits_ws import launch_logits_ws
+
+        return launch_logits_ws(
+            q8, wq, k8, k_scale, ks, ke, out, heads=heads, row0=row0, n_rows=n_rows,
+            col0=col0, stages=4, lag=1, epilogue="banks",
+        )  # fmt: skip
     config = config.for_launch(n_rows, s_k)
     meta, options = config.kernel_params(heads)
     even_k = config.key_mask == "auto" and s_k % config.block_k == 0

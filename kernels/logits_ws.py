@@ -1,44 +1,47 @@
-"""The warp-specialised logits kernel (Gluon, sm_90 only): a measured candidate, not used.
+"""The warp-specialised logits kernel (Gluon, sm_90 only): the fixed config's H = 64 launches
+of 2^28 scores and more (`LogitsConfig.ws_min_scores`, v13).
 
 The same scores as `kernels.logits` (`score[t, s] = k_scale[s] * sum_h wq[t, h] *
-relu(q8[t, h] . k8[s])`, written in range only, same operands and output rules), bitwise
-equal to the fixed Triton config's on the H200 (the probe and the `gpu` tests check it),
-computed by one CTA of four warpgroups that share every key tile:
+relu(q8[t, h] . k8[s])`, written in range only, same operands and output rules), computed by
+one CTA of four warpgroups that share every key tile:
 
 - Each warpgroup owns one query block of 128 (query, head) columns (2 queries at H = 64, 4 at
-  H = 32). Its accumulator is [64 keys, 128 columns] (64 registers a thread) and its weights
-  32: 128 registers, so four warpgroups (512 threads) fill the register file: 16 warps an SM,
-  where the Triton kernel holds 12, and each key tile is read from L2 once for 8 queries at
-  H = 64 (4 in the Triton kernel).
+  H = 32). Its accumulators hold [64 keys, 128 columns] (64 registers a thread) and its
+  weights 32: 128 registers, so four warpgroups (512 threads) fill the register file: 16 warps
+  an SM, where the Triton kernel holds 12, and each key tile is read from L2 once for 8
+  queries at H = 64 (4 in the Triton kernel).
 - Key tiles come by TMA into a ring of STAGES buffers; `ready[s]` (TMA bytes) and `empty[s]`
   (one arrive per warpgroup after its wgmma) are mbarriers: no CTA-wide barrier in the loop
   (the Triton kernel meets one every tile, its cp.async pipeline), so the warpgroups drift
   apart and one's MMA can run under the others' epilogues.
 - Warpgroup 0 also issues the loads: at tile i it refills the buffer of tile i - LAG (once all
   warpgroups are done with it) with tile i + STAGES - LAG, so STAGES - LAG tiles are in flight
-  ahead of it (2 at the default 4 and 2). A loader warp of its own would need registers the
-  four warpgroups use up.
-- The epilogue is the Triton kernel's tree (relu as x + |x| with half weights, the head sum in
-  registers and two shuffles); `convert` then moves the scores to one a thread (through shared
-  memory, one barrier of the warpgroup) for a single coalesced store, else each thread stores
-  the four it holds (duplicated across a lane quad, three of four stores predicated off).
+  ahead of it. A loader warp of its own would need registers the four warpgroups use up.
+- The epilogues (`EPILOGUES`). "banks" (the fixed config's, v13): the 128 columns as two
+  64-column wgmmas issued together; the first's relu(x) * w is summed over each lane's heads
+  (x + |x| with half weights, one chain a (key, query)) while the second runs, then the
+  second's; the four lanes' partial sums of a score meet in one thread through a shared-memory
+  transpose (`STS.128` + `LDSM`), which adds them and stores one score. Another summation
+  order than the Triton kernel's: equal to fp32 rounding, not bitwise. "convert" and "direct"
+  (v12): one 128-column wgmma, waited for, then the Triton kernel's head sum (bitwise its
+  scores), stored one score a thread after a layout conversion, or the four a thread holds
+  (duplicated across a lane quad, three of four stores predicated off).
 
-Measured on the H200 (`benchmarks/logits_ws_probe.py`, five runs, v12 in docs/KERNELS.md),
-against the fixed config in the same run: at H = 64 0.99-1.06 on causal rows up to 64K keys,
-0.97-0.99 at 128K, 1.03-1.08 on packed rows (1.09-1.34 at 4K); at H = 32 0.88-1.01 on causal
-rows (4K 0.88, 16K 0.97, 128K 0.92), 1.03 on 16K packed rows, 1.28-1.44 on 4K packed ones.
-Nsight Compute at 16K causal, H = 64: tensor pipe 56% (fixed 58%), 8.8 cycles between a
-warp's instructions with 16 warps (6.3 with 12), the largest stall the barrier (wgmma wait
-and the warpgroup barrier). A persistent form (one CTA an SM, the next block's queries loaded
-under the last one's tiles) was slower still and was removed, as was a two-accumulator form
-(64 columns a warpgroup, tiles in pairs, one tile's epilogue under the next one's wgmma):
-1.2-1.4x slower. Two warpgroups a CTA (2 CTAs an SM) were 3-10% slower at H = 64 and, with
-the converted store and 5-6 ring stages, wrote wrong, run-to-run different scores (cause not
-found: the store's shared-memory scratch is the suspect); that form is gone and the launcher
-allows 3-4 stages only.
+Measured on the H200 (`benchmarks/logits_ws_probe.py`, v12 and v13 in docs/KERNELS.md),
+against the Triton fixed config in the same run: the banks (4 stages, lag 1) 0.94-0.99 on H=64
+causal rows from 8K keys, 0.96-1.02 on packed rows from 16K, 1.03-1.04 on 8K packed rows and
+1.6-1.8 on 4K packed ones; 1.13-1.14 at H = 32 (which keeps the Triton kernel). Nsight Compute
+at 16K causal, H = 64: tensor pipe 59% (Triton 58%, "convert" 56%), 8.3 cycles between a warp's
+instructions with 16 warps. v12's "convert": 0.97-0.99 at H = 64 128K, 0.88-1.01 on H = 32
+causal rows, up to 8% slower elsewhere. A persistent form, two warpgroups a CTA (3-10%
+slower, and with the converted store and 5-6 ring stages wrong, run-to-run different scores:
+removed; the launcher allows 3-4 stages only), 64-column accumulators with tiles in pairs,
+the first key tiles issued before the partitions start and the key tile in registers for
+both banks (register-A wgmma) were all slower and are gone.
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
-with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU.
+with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU;
+`kernels.logits.LogitsConfig.runs_warp_specialised` says when the fixed path launches it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 BLOCK_K = 64  # keys a tile (the wgmma's M)
 BLOCK_N = 128  # (query, head) columns a warpgroup (the wgmma's N)
 WARPGROUPS = 4
+# the epilogue variants: the kernel's EPILOGUE constexpr
+EPILOGUES = {"direct": 0, "convert": 1, "banks": 2}
 
 
 @gluon.constexpr_function
@@ -72,6 +77,37 @@ def _one_score_layout(block_k, queries):
         reg_bases=regs, lane_bases=[[0, 1], [8, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[block_k, queries],
     )  # fmt: skip
+
+
+@gluon.constexpr_function
+def _partials_layout(block_k, queries):
+    """[block_k keys, queries, 4 lane partials]: the one-score layout with the 4 partials of a
+    score (one from each lane of a quad) in a thread's registers."""
+    assert block_k == 64 and queries >= 2
+    regs = [[0, 0, 1], [0, 0, 2]] + [[0, 2 << i, 0] for i in range(queries.bit_length() - 2)]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs, lane_bases=[[0, 1, 0], [8, 0, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[block_k, queries, 4],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _lane_partials(acc, w, BLOCK_K: gl.constexpr, QB: gl.constexpr, H: gl.constexpr):
+    """[BLOCK_K, QB, 4]: each lane's sum of relu(acc) * w over the heads it holds (head
+    h = 8 i + 2 t + j of a bank column: i, j a thread's registers, t its lane in the quad);
+    w holds half the weights and relu(x) is x + |x|."""
+    x = (acc + gl.abs(acc)) * w[None, :]
+    x = gl.permute(gl.reshape(x, [BLOCK_K, QB, H // 8, 4, 2]), (0, 1, 3, 2, 4))
+    return gl.sum(gl.reshape(x, [BLOCK_K, QB, 4, H // 4]), axis=3)
+
+
+@gluon.jit
+def _quad_sum(p_a, p_b, part_layout: gl.constexpr, out_layout: gl.constexpr,
+              BLOCK_K: gl.constexpr, QW: gl.constexpr):  # fmt: skip
+    """[BLOCK_K, QW] scores in out_layout from the two banks' lane partials."""
+    parts = gl.reshape(gl.permute(gl.join(p_a, p_b), (0, 3, 1, 2)), [BLOCK_K, QW, 4])
+    score = gl.sum(gl.convert_layout(parts, part_layout), axis=2)
+    return gl.convert_layout(score, out_layout)
 
 
 @gluon.jit
@@ -92,7 +128,7 @@ def _consumer(
     q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr,
     row0, n_rows, col0, stride_out, blk, start, n_tiles,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    WGI: gl.constexpr, LAG: gl.constexpr, CONVERT: gl.constexpr,
+    WGI: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WGI: its query block's scores over the CTA's key tiles."""
     BLOCK_N: gl.constexpr = 128
@@ -102,12 +138,13 @@ def _consumer(
     )
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     q0 = blk * QUERIES + WGI * QW  # chunk-local first query of this warpgroup
-    qh = (row0 + q0).to(gl.int64) * H + cols
+    qh0 = (row0 + q0).to(gl.int64) * H
+    qh = qh0 + cols
     wq = gl.load(wq_ptr + qh, mask=cols < (n_rows - q0) * H, other=0.0) * 0.5
     zero = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
     # the head sum's layout (key rows, queries): what the scores are stored from
     sum_layout: gl.constexpr = gl.sum(gl.reshape(zero, [BLOCK_K, QW, H]), axis=2).type.layout
-    if CONVERT:
+    if EPILOGUE >= 1:
         out_layout: gl.constexpr = _one_score_layout(BLOCK_K, QW)
     else:
         out_layout: gl.constexpr = sum_layout
@@ -118,6 +155,20 @@ def _consumer(
     out_rows = out_ptr + rows.to(gl.int64) * stride_out - col0
     keys = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, out_layout))
     b = q_smem.slice(WGI * BLOCK_N, BLOCK_N).permute((1, 0))  # [D, 128] K-major
+    if EPILOGUE >= 2:
+        BN2: gl.constexpr = BLOCK_N // 2
+        QB: gl.constexpr = BN2 // H  # queries a bank
+        bank_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 32]
+        )
+        bcols = gl.arange(0, BN2, layout=gl.SliceLayout(0, bank_layout))
+        n_cols = (n_rows - q0) * H
+        w_a = gl.load(wq_ptr + qh0 + bcols, mask=bcols < n_cols, other=0.0) * 0.5
+        w_b = gl.load(wq_ptr + qh0 + BN2 + bcols, mask=BN2 + bcols < n_cols, other=0.0) * 0.5
+        zero_b = gl.zeros([BLOCK_K, BN2], gl.float32, bank_layout)
+        b_a = q_smem.slice(WGI * BLOCK_N, BN2).permute((1, 0))
+        b_b = q_smem.slice(WGI * BLOCK_N + BN2, BN2).permute((1, 0))
+        part_layout: gl.constexpr = _partials_layout(BLOCK_K, QW)
     # the queries' TMA has landed (the CTA's first warps waited before the partitions began;
     # this wait makes each partition's own ordering explicit and costs one completed-phase test)
     mbarrier.wait(qbar, 0)
@@ -135,13 +186,24 @@ def _consumer(
         offs = start + i * BLOCK_K + keys
         ksc = gl.load(kscale_ptr + offs)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        acc = warpgroup_mma(k_bufs.index(s), b, zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s), count=1)
-        x = (acc + gl.abs(acc)) * wq[None, :]
-        score = gl.sum(gl.reshape(x, [BLOCK_K, QW, H]), axis=2)
-        if CONVERT:
-            score = gl.convert_layout(score, out_layout)
+        if EPILOGUE == 2:
+            # two banks of 64 columns: bank B's wgmma runs under bank A's epilogue
+            acc_a = warpgroup_mma(k_bufs.index(s), b_a, zero_b, use_acc=False, is_async=True)
+            acc_b = warpgroup_mma(k_bufs.index(s), b_b, zero_b, use_acc=False, is_async=True)
+            acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+            p_a = _lane_partials(acc_a, w_a, BLOCK_K, QB, H)
+            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
+            mbarrier.arrive(empty.index(s), count=1)
+            p_b = _lane_partials(acc_b, w_b, BLOCK_K, QB, H)
+            score = _quad_sum(p_a, p_b, part_layout, out_layout, BLOCK_K, QW)
+        else:
+            acc = warpgroup_mma(k_bufs.index(s), b, zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s), count=1)
+            x = (acc + gl.abs(acc)) * wq[None, :]
+            score = gl.sum(gl.reshape(x, [BLOCK_K, QW, H]), axis=2)
+            if EPILOGUE >= 1:
+                score = gl.convert_layout(score, out_layout)
         score = score * ksc[:, None]
         valid = (offs[:, None] >= ks[None, :]) & (offs[:, None] < ke[None, :])
         gl.store(out_rows[None, :] + offs[:, None], score, mask=valid)
@@ -151,18 +213,10 @@ def _consumer(
 def _ws_logits_kernel(
     q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    LAG: gl.constexpr, CONVERT: gl.constexpr, num_warps: gl.constexpr,
+    LAG: gl.constexpr, EPILOGUE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One CTA: QUERIES queries (heaviest first), four warpgroups over [min ks, max ke)."""
     blk = gl.cdiv(n_rows, QUERIES) - 1 - gl.program_id(0)
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    r = blk * QUERIES + gl.arange(0, QUERIES, layout=lay)
-    ok = r < n_rows
-    lo = gl.min(gl.load(ks_ptr + row0 + r, mask=ok, other=2147483647), axis=0)
-    hi = gl.max(gl.load(ke_ptr + row0 + r, mask=ok, other=0), axis=0)
-    start = (lo // BLOCK_K) * BLOCK_K
-    n_tiles = gl.maximum(gl.cdiv(hi - start, BLOCK_K), 0)
-
     BLOCK_N: gl.constexpr = QUERIES * H
     D: gl.constexpr = q_desc.block_type.shape[1]
     QBOX: gl.constexpr = q_desc.block_type.shape[0]
@@ -181,6 +235,14 @@ def _ws_logits_kernel(
         tma.async_copy_global_to_shared(
             q_desc, [(row0 + blk * QUERIES) * H + j * QBOX, 0], qbar, q_smem.slice(j * QBOX, QBOX)
         )
+    # the key range: the queries' TMA is in flight meanwhile
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    r = blk * QUERIES + gl.arange(0, QUERIES, layout=lay)
+    ok = r < n_rows
+    lo = gl.min(gl.load(ks_ptr + row0 + r, mask=ok, other=2147483647), axis=0)
+    hi = gl.max(gl.load(ke_ptr + row0 + r, mask=ok, other=0), axis=0)
+    start = (lo // BLOCK_K) * BLOCK_K
+    n_tiles = gl.maximum(gl.cdiv(hi - start, BLOCK_K), 0)
     mbarrier.wait(qbar, 0)
     # the partitions' arguments are spelled out in full: in Triton 3.6's Gluon a tuple bound to
     # a name turns its constexprs (H, BLOCK_K, ...) into tensors, so it cannot be built once
@@ -188,16 +250,16 @@ def _ws_logits_kernel(
         [
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 0, LAG, CONVERT)),
+                         H, BLOCK_K, QUERIES, STAGES, 0, LAG, EPILOGUE)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 1, LAG, CONVERT)),
+                         H, BLOCK_K, QUERIES, STAGES, 1, LAG, EPILOGUE)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 2, LAG, CONVERT)),
+                         H, BLOCK_K, QUERIES, STAGES, 2, LAG, EPILOGUE)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 3, LAG, CONVERT)),
+                         H, BLOCK_K, QUERIES, STAGES, 3, LAG, EPILOGUE)),
         ],
         [4, 4, 4],
         [128, 128, 128],
@@ -274,11 +336,15 @@ def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, s
 
 
 def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, col0,
-                     stages: int = 4, lag: int = 2, convert: bool = True):  # fmt: skip
+                     stages: int = 4, lag: int = 2, epilogue: str = "convert"):  # fmt: skip
     """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128; all
     tensors on one GPU). Warpgroup 0 keeps stages - lag key tiles in flight ahead of its own.
-    `convert`: store one score a thread (else the four a thread holds, 3 of 4 lanes' stores
-    predicated off)."""
+    `epilogue` (`EPILOGUES`): "convert" stores one score a thread, "direct" the four a thread
+    holds (3 of 4 lanes' stores predicated off), "banks" splits each warpgroup's columns in two
+    wgmmas and sums the first's heads while the second runs (another summation order than the
+    fixed config's: equal to fp32 rounding, not bitwise)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"launch_logits_ws: epilogue={epilogue!r}: one of {list(EPILOGUES)}")
     _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
     if n_rows <= 0:
         return None
@@ -288,5 +354,5 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
         _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
         k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
         H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
-        CONVERT=convert, num_warps=4, maxnreg=128,
+        EPILOGUE=EPILOGUES[epilogue], num_warps=4, maxnreg=128,
     )  # fmt: skip

@@ -39,7 +39,9 @@ from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 pytestmark = pytest.mark.gpu
 DOCS = [1200, 37, 2048, 500, 311]  # 4096 queries in five documents
-V10 = dataclasses.replace(FIXED_LOGITS_CONFIG, group_min_scores=None)  # every launch in pairs
+V10 = dataclasses.replace(  # every launch in pairs
+    FIXED_LOGITS_CONFIG, group_min_scores=None, ws_min_scores=None
+)
 
 
 def _reference_on_gpu(q, k, w, ks, ke, block: int = 256) -> torch.Tensor:
@@ -273,7 +275,8 @@ def test_ranges_from_the_host_give_the_same_indices_and_wait_for_nothing() -> No
 
 @pytest.mark.parametrize("heads", [64, 32])
 def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
-    # kernels.logits_ws (Gluon, sm_90): the same scores, bitwise, in the same places, for a
+    # kernels.logits_ws (Gluon, sm_90): the same scores, bitwise (fp32 rounding apart for the
+    # banks epilogue), in the same places, for a
     # whole row and for a chunk whose rows, first row and key window are not block multiples;
     # three launches of each variant (a ring race would show as a launch that differs)
     if torch.cuda.get_device_capability() != (9, 0):
@@ -291,14 +294,63 @@ def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
             heads=p.heads, row0=row0, n_rows=n_rows, col0=col0,
         )  # fmt: skip
         assert not want.isnan().all()
-        for kw in ({}, {"convert": False}, {"stages": 3, "lag": 1}):
+        written = ~want.isnan()
+        scale = want.nan_to_num(0.0).abs().amax(dim=1, keepdim=True)
+        for kw in (
+            {}, {"epilogue": "direct"}, {"stages": 3, "lag": 1}, {"epilogue": "banks"},
+            {"epilogue": "banks", "stages": 3, "lag": 1},
+        ):  # fmt: skip
+            runs = []
             for _ in range(3):
                 got = torch.full_like(want, float("nan"))
                 launch_logits_ws(
                     p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, got,
                     heads=p.heads, row0=row0, n_rows=n_rows, col0=col0, **kw,
                 )  # fmt: skip
-                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (row0, kw)
+                runs.append(got.view(torch.int32))
+                if not kw.get("epilogue", "").startswith("banks"):
+                    assert torch.equal(runs[-1], want.view(torch.int32)), (row0, kw)
+                    continue
+                # the banks sum the heads in another order: fp32 rounding apart, in the same
+                # places, and bitwise the same from launch to launch
+                assert torch.equal(~got.isnan(), written), (row0, kw)
+                diff = ((got - want).abs() / scale).nan_to_num(0.0).amax().item()
+                assert diff <= 1e-5, (row0, kw, diff)
+                assert torch.equal(runs[-1], runs[0]), (row0, kw)
+
+
+def test_fixed_config_runs_the_warp_specialised_kernel_from_2_28_scores() -> None:
+    # v13: on sm_90, H=64 launches of 2^28 scores and more (rows x padded keys) run
+    # kernels.logits_ws with the banks epilogue: the Triton kernel's scores to fp32 rounding,
+    # in the same places, bitwise from launch to launch; smaller launches, 32 heads or a
+    # config without the threshold run the Triton kernel
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised logits kernel is sm_90 only")
+    s = 16384
+    ks, ke = packed_ranges([7000, 5000, 4384])
+    q, k, w = random_inputs(s, 64, 128, seed=13, device="cuda")
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    fixed, triton_only = FIXED_LOGITS_CONFIG, dataclasses.replace(V10, group_min_scores=1 << 25)
+    assert fixed.runs_warp_specialised(p.q8, p.k8, 64, s, 0)
+    assert not fixed.runs_warp_specialised(p.q8, p.k8, 64, s // 2, 0)
+    assert not fixed.runs_warp_specialised(p.q8, p.k8, 32, s, 0)
+    assert not triton_only.runs_warp_specialised(p.q8, p.k8, 64, s, 0)
+    outs, names = [], []
+    for c in (fixed, fixed, triton_only):
+        out = torch.full((s, p.k8.shape[0]), float("nan"), device="cuda")
+        kern = launch_logits(
+            p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
+            heads=64, row0=0, n_rows=s, col0=0, config=c,
+        )  # fmt: skip
+        outs.append(out)
+        names.append(kern.name)
+    assert names[0] == names[1] == "_ws_logits_kernel" != names[2]
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    written = ~outs[2].isnan()
+    assert written.sum() == int((ke - ks).sum())
+    assert torch.equal(~outs[0].isnan(), written)
+    scale = outs[2].nan_to_num(0.0).abs().amax(dim=1, keepdim=True)
+    assert ((outs[0] - outs[2]).abs() / scale).nan_to_num(0.0).amax().item() <= 1e-5
 
 
 def test_small_launches_run_the_one_block_form() -> None:

@@ -280,7 +280,15 @@ def test_logits_config_rejects_bad_values() -> None:
         LogitsConfig(group_min_scores=0)
     # x + |x| reaches the two-block programs only (the one-block H=32 kernel lost with it)
     assert [FIXED_LOGITS_CONFIG.abs_relu(h) for h in (64, 32)] == [True, False]
-    assert FIXED_LOGITS_CONFIG.label == "n128/k64/w4/s3/g2/r168/abs/g>=32M"
+    assert FIXED_LOGITS_CONFIG.label == "n128/k64/w4/s3/g2/r168/abs/g>=32M/ws>=256M"
+    # from 2^28 scores H=64 launches run the warp-specialised kernel, on sm_90 GPUs only: never
+    # on the CPU (the interpreter runs the Triton kernel), nor below the threshold
+    with pytest.raises(ValueError, match=r"LogitsConfig\.ws_min_scores=0: must be >= 1"):
+        LogitsConfig(ws_min_scores=0)
+    fp8 = torch.float8_e4m3fn
+    q8, k8 = torch.zeros(64, 128, dtype=fp8), torch.zeros(1 << 14, 128, dtype=fp8)
+    assert not FIXED_LOGITS_CONFIG.runs_warp_specialised(q8, k8, 64, 1 << 14, 0)
+    assert FIXED_LOGITS_CONFIG.for_launch(4096, 4096).ws_min_scores is None
 
 
 def test_warp_specialised_launcher_rejects_what_its_kernel_cannot_run() -> None:
@@ -305,6 +313,8 @@ def test_warp_specialised_launcher_rejects_what_its_kernel_cannot_run() -> None:
     for stages, lag in ((4, 4), (4, 0), (5, 2), (6, 2)):  # 6/2 wrote wrong scores on the H200
         with pytest.raises(ValueError, match=rf"stages={stages}, lag={lag}: need stages 3 or 4"):
             launch_logits_ws(*args, heads=64, stages=stages, lag=lag, **common)
+    with pytest.raises(ValueError, match=r"epilogue='tree': one of \['direct', 'convert'"):
+        launch_logits_ws(*args, heads=64, epilogue="tree", **common)
     # the tensors (on the CPU here: every check but the last runs without a GPU)
     with pytest.raises(ValueError, match=r"q8 is torch.bfloat16 on cpu: need torch.float8"):
         launch_logits_ws(q8.to(torch.bfloat16), *args[1:], heads=64, **common)
