@@ -177,6 +177,26 @@ def logits_runner(p: PreparedInputs, cfg: LogitsConfig, buf: torch.Tensor | None
     return run
 
 
+def launch_identity(p: PreparedInputs, cfg: LogitsConfig) -> tuple:
+    """What `logits_runner(p, cfg)` launches, chunk by chunk, decided as `launch_logits` decides:
+    the warp-specialised kernel, or the Triton kernel's constexprs, launch options and grid.
+    Configs with equal identities run the same binaries with the same arguments (at H = 32 the
+    fixed config's pairing, cap and relu do not apply, so it runs n128/k64/w4/s3's kernel): a
+    benchmark times them once instead of reporting noise between identical launches."""
+    kinds = []
+    for r0, r1, col0, _ in chunk_plan(p):
+        n = r1 - r0
+        if cfg.runs_warp_specialised(p.q8, p.k8, p.heads, n, col0):
+            kinds.append(("ws",))
+            continue
+        c = cfg.for_launch(n, p.k8.shape[0])
+        meta, options = c.kernel_params(p.heads)
+        even_k = c.key_mask == "auto" and p.k8.shape[0] % c.block_k == 0
+        grid = math.ceil(math.ceil(n / meta["BLOCK_Q"]) / meta["GROUPS"])
+        kinds.append(("triton", *sorted(meta.items()), *sorted(options.items()), even_k, grid))
+    return tuple(kinds)
+
+
 def logits_buffer(p: PreparedInputs) -> torch.Tensor:
     """A buffer for the largest chunk of `logits_runner(p, ...)`."""
     chunks = chunk_plan(p)

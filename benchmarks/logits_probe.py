@@ -5,8 +5,8 @@
     ncu --clock-control none --set full -k regex:_indexer_logits_kernel --launch-skip 1 \\
         --launch-count 1 -o $OUT/fixed python3 benchmarks/logits_probe.py --profile
 
-Times, interleaved at each shape (round-robin, >= 3 ms of launches a sample, medians), the
-fixed config against:
+Times, interleaved at each shape (`time_interleaved`: shuffled rounds, >= 3 ms a sample,
+medians), the fixed config against:
 
 - `v9 fixed`: the shared key tiles with relu as max(x, 0); `v8`: one query block a program;
 - 1-query blocks at H = 64 (`n64/...`): in pairs (the sweep's lead at several shapes), with

@@ -4,7 +4,7 @@
 
 `kernels.logits_ws` runs four warpgroups a CTA over shared TMA key tiles, with mbarriers
 instead of the Triton kernel's per-tile CTA barrier (16 warps an SM instead of 12). At each
-shape, all chunks of a topk call's logits launches, interleaved round-robin with the fixed
+shape, all chunks of a topk call's logits launches, interleaved (shuffled rounds) with the fixed
 config (`time_interleaved`, medians), for a few (stages, lag) of the key-tile ring. Before
 timing, each variant's scores are compared with the fixed config's chunk by chunk: the same
 positions written (and some written), the largest difference relative to the row's largest

@@ -274,3 +274,95 @@ def test_timeline_merges_overlaps_and_counts_idle_time() -> None:
     assert t["gpu_idle_inside_us"] == 35.0
     assert [g["before"] for g in t["gaps"]] == ["select"] and GAP_US > 5
     assert [r["gap_us"] for r in t["kernels"]] == [0.0, 0.0, 0.0, 30.0, 5.0]
+
+
+def test_time_interleaved_warms_each_sample_and_shuffles_the_order(monkeypatch) -> None:
+    # events stood in by a clock each call moves by its runner's ms; every timed sample must
+    # follow an untimed call of the same runner, and the order must change between rounds
+    import benchmarks.bench_indexer as bench
+    import benchmarks.indexer_final as final
+
+    clock = [0.0]
+    trace: list[str] = []
+
+    class _Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.t = 0.0
+
+        def record(self) -> None:
+            self.t = clock[0]
+            trace.append("|")
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: _Event) -> float:
+            return end.t - self.t
+
+    def runner(name: str, ms: float):
+        def fn() -> None:
+            trace.append(name)
+            clock[0] += ms
+
+        return fn
+
+    monkeypatch.setattr(bench.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(final.torch.cuda, "Event", _Event)
+    runners = {n: runner(n, ms) for n, ms in (("a", 1.0), ("b", 4.0), ("c", 2.0), ("d", 3.0))}
+    ms = final.time_interleaved(runners, rounds=6, min_sample_ms=3.0, seed=1)
+    assert ms == {"a": 1.0, "b": 4.0, "c": 2.0, "d": 3.0}
+    i, orders = 4 * 4, []  # past each runner's warm call and batch-sizing sample (n, |, n, |)
+    for _ in range(6):
+        order = ""
+        for _ in range(4):
+            warm, start = trace[i], trace[i + 1]
+            j = trace.index("|", i + 2)
+            calls, i = trace[i + 2 : j], j + 1
+            assert start == "|" and calls and set(calls) == {warm}  # warmed by its own call
+            order += warm
+        orders.append(order)
+    assert i == len(trace)
+    assert all(sorted(o) == list("abcd") for o in orders)
+    assert len(set(orders)) > 1  # not the same neighbour every round
+
+
+def test_launch_identity_merges_configs_that_launch_the_same_kernel() -> None:
+    # at H = 32 the fixed config's pairing, cap and relu do not apply: it launches the plain
+    # n128/k64/w4/s3 kernel with the same arguments; at H = 64 it pairs query blocks
+    from dataclasses import replace
+
+    import torch
+
+    from benchmarks.bench_indexer import launch_identity
+    from kernels.fp8_indexer import prepare_inputs
+    from kernels.logits import LogitsConfig
+
+    plain = LogitsConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)
+    s = 200
+    ks = torch.tensor([0] * 120 + [120] * 80, dtype=torch.int32)
+    ke = torch.arange(1, s + 1, dtype=torch.int32)
+    ids = {}
+    for h in (32, 64):
+        g = torch.Generator().manual_seed(h)
+        q = torch.randn(s, h, 128, generator=g).bfloat16()
+        k = torch.randn(s, 128, generator=g).bfloat16()
+        w = torch.randn(s, h, generator=g)
+        p = prepare_inputs(q, k, w, ks, ke)
+        configs = (FIXED_LOGITS_CONFIG, plain, replace(FIXED_LOGITS_CONFIG, group_min_scores=None))
+        ids[h] = [launch_identity(p, c) for c in configs]
+        assert all(i[0][0] == "triton" for i in ids[h])  # no warp-specialised launch on the CPU
+    assert ids[32][0] == ids[32][1] == ids[32][2]
+    # 200 rows x 256 keys is under the fixed config's 2^25 scores: its one-block form runs
+    assert ids[64][0] == ids[64][1] != ids[64][2]
+
+
+def test_markdown_names_configs_timed_once_with_the_fixed_config() -> None:
+    shape = _shape(32, 4096, {FIXED: 0.09, "n128/k64/w4/s3": 0.09, PIPE: 0.1})
+    shape["same_as"] = {"n128/k64/w4/s3": FIXED}
+    result = {
+        "date": "2026-12-04 14:00 UTC", "budget_s": 300.0, "elapsed_s": 120.0, "e2e": [],
+        "shapes": [shape], "summary": summarize([shape], [FIXED]), "equal_logits": None,
+    }  # fmt: skip
+    md = final_markdown(result)
+    assert "Timed once with the fixed config (the same kernels and arguments): " in md
+    assert "H=32 S=4K causal: n128/k64/w4/s3." in md
