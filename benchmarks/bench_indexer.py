@@ -157,14 +157,21 @@ def chunk_plan(p: PreparedInputs) -> list[tuple[int, int, int, int]]:
     return plan_chunks(p.ks_host, p.ke_host, p.k8.shape[0], extra, FIXED_CONFIG.max_chunk_bytes)
 
 
-def logits_runner(p: PreparedInputs, cfg: LogitsConfig, buf: torch.Tensor | None = None):
+def logits_runner(
+    p: PreparedInputs,
+    cfg: LogitsConfig,
+    buf: torch.Tensor | None = None,
+    chunks: list[tuple[int, int, int, int]] | None = None,
+):
     """All chunks' logits launches of a topk call, for timing one logits config alone.
 
-    `buf` (from `logits_buffer(p)`) lets several runners share one chunk buffer (up to 8 GiB).
+    `buf` (from `logits_buffer(p)`) lets several runners share one chunk buffer (up to 8 GiB);
+    `chunks` replaces the fixed config's plan (`chunk_plan(p)`).
     """
-    chunks = chunk_plan(p)
+    if chunks is None:
+        chunks = chunk_plan(p)
     if buf is None:
-        buf = logits_buffer(p)
+        buf = logits_buffer(p, chunks)
 
     def run() -> None:
         for r0, r1, col0, width in chunks:
@@ -197,11 +204,13 @@ def launch_identity(p: PreparedInputs, cfg: LogitsConfig) -> tuple:
     return tuple(kinds)
 
 
-def logits_buffer(p: PreparedInputs) -> torch.Tensor:
-    """A buffer for the largest chunk of `logits_runner(p, ...)`."""
-    chunks = chunk_plan(p)
-    rows = max(r1 - r0 for r0, r1, _, _ in chunks)
-    size = rows * max(w for *_, w in chunks)
+def logits_buffer(
+    p: PreparedInputs, chunks: list[tuple[int, int, int, int]] | None = None
+) -> torch.Tensor:
+    """A buffer for the largest chunk of `logits_runner(p, ...)` (of `chunks` if given)."""
+    if chunks is None:
+        chunks = chunk_plan(p)
+    size = max((r1 - r0) * w for r0, r1, _, w in chunks)
     return torch.empty(size, dtype=torch.float32, device=p.q8.device)
 
 

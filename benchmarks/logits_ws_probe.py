@@ -51,7 +51,7 @@ TRITON_FIXED = V11_LOGITS_CONFIG
 TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
 FIXED_NAME = f"fixed, Triton ({TRITON_FIXED.label})"
 # (stages, lag, epilogue): the key-tile ring and the epilogue (`kernels.logits_ws.EPILOGUES`)
-WS_VARIANTS = ((4, 1, "banks"), (4, 1, "banks_rs"), (4, 2, "banks_rs"), (3, 1, "banks_rs"))
+WS_VARIANTS = ((4, 1, "banks"), (3, 1, "banks"), (4, 1, "convert"))
 SHAPES = (
     (64, 16384, False),
     (64, 32768, False),

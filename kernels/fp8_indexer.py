@@ -20,21 +20,24 @@ chunks (`prepare_inputs`).
   `fp8_indexer_topk` at the sync that ends the call, so that nothing waits for the check).
 
 Memory: the fp32 logits are materialised one chunk of queries at a time, each chunk holding
-rows x (its key window, padded to 16) floats plus a CAP-wide int64 candidate buffer per row,
-under `max_chunk_bytes` (default 8 GiB: 128K-key rows go in 16K-query chunks, 256K-key rows in
-8K). `fp8_indexer_logits` materialises the whole [S_q, S_k] matrix and is for tests and
+rows x (its key window, padded to 16) floats plus the top-k workspace of its rows (72 KiB a row
+at topk 2048), under `max_chunk_bytes` (default 8 GiB). Chunks are sized by their key windows
+(`plan_chunks`): a 128K-token row takes 7 chunks of 8K-29K queries causal, 5 packed; 256K, 23
+and 10. `fp8_indexer_logits` materialises the whole [S_q, S_k] matrix and is for tests and
 inspection.
 
 Inputs are padded to the kernels' rules where needed: keys to a multiple of 128 (zero keys with
-zero scale, never inside any [ks, ke); whole 64/128-key tiles need no bound mask), H to a power of two (zero weights), D to a power of two
->= 32 (zero columns, after quantization so scales are unchanged).
+zero scale, never inside any [ks, ke); whole 64/128-key tiles need no bound mask), H to a
+power of two (zero weights), D to a power of two >= 32 (zero columns, after quantization so
+scales are unchanged).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -284,31 +287,73 @@ def plan_chunks(
     """Query chunks (row0, row1, col0, width) whose logits + workspace fit max_chunk_bytes.
 
     Pure function of the ranges: a chunk's key window is [col0, col0 + width), col0 the smallest
-    ks of its non-empty rows rounded down to 16 and width padded to 16; rows per chunk are a
-    multiple of `align` (whole query blocks), at least `align` even if that exceeds the bound.
+    ks of its non-empty rows rounded down to 16 and width padded to 16. The chunks tile the rows
+    in order, each a multiple of `align` rows (whole query blocks) but the last, at least
+    `align` even if that exceeds the bound. Sized by their windows, not by all s_kp keys: every
+    chunk holds at most R rows, and the largest chunk's logits (rows x width floats) plus R
+    rows of workspace (`extra_per_row` bytes each: what the buffers, reused across chunks,
+    take) fit the bound. R is the rows that s_kp-wide rows fit (every chunk's window then fits)
+    or a power-of-two multiple of it, whichever plans the fewest chunks (the smallest on a tie):
+    fewer, larger launches leave fewer idle last waves (the 128K packed row of the H200 runs:
+    10 chunks of all keys, 3 of their windows, 5% less logits time; benchmarks/chunk_probe.py).
     """
     ks, ke = np.asarray(ks), np.asarray(ke)
-    per_row = 4 * s_kp + extra_per_row
-    rows = max(align, (max_chunk_bytes // per_row) // align * align)
-    starts = np.arange(0, len(ks), rows)
-    if not len(starts):
+    n = len(ks)
+    if n == 0:
         return []
+    starts = np.arange(0, n, align)
     live = ke > ks  # empty rows do not widen a chunk's key window
-    none = np.iinfo(ks.dtype).max
+    none = np.iinfo(np.int64).max
     if live.all():  # the common case: two reductions, no masked copies
         lo, hi = np.minimum.reduceat(ks, starts), np.maximum.reduceat(ke, starts)
     else:
         lo = np.minimum.reduceat(np.where(live, ks, none), starts)
         hi = np.maximum.reduceat(np.where(live, ke, -1), starts)
-    chunks = []
-    for r0, a, b in zip(starts.tolist(), lo.tolist(), hi.tolist(), strict=True):
-        r1 = min(len(ks), r0 + rows)
-        if a == none:  # no live row
-            col0, width = 0, COL_ALIGN
-        else:
-            col0 = a // COL_ALIGN * COL_ALIGN
-            width = -(-(b - col0) // COL_ALIGN) * COL_ALIGN
-        chunks.append((r0, r1, col0, width))
+    lo, hi = lo.astype(np.int64), hi.astype(np.int64)
+    ends = np.minimum(starts + align, n)
+    r0 = max(align, (max_chunk_bytes // (4 * s_kp + extra_per_row)) // align * align)
+    best = _plan_greedy(lo, hi, starts, ends, r0, extra_per_row, max_chunk_bytes, none, n)
+    cap = r0 * 2
+    while len(best) > 1 and cap < 2 * n and 2 * cap * extra_per_row <= max_chunk_bytes:
+        plan = _plan_greedy(
+            lo, hi, starts, ends, cap, extra_per_row, max_chunk_bytes, none, len(best) - 1
+        )
+        if plan is not None:
+            best = plan
+        cap *= 2
+    return best
+
+
+def _plan_greedy(
+    lo: np.ndarray,
+    hi: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    cap: int,
+    extra_per_row: int,
+    max_chunk_bytes: int,
+    none: int,
+    limit: int,
+) -> list[tuple[int, int, int, int]] | None:
+    """`plan_chunks` at a row cap: from each block, as many blocks as keep the chunk within
+    `cap` rows and its logits within the bound less `cap` rows of workspace; None past `limit`
+    chunks."""
+    logits_bytes = max_chunk_bytes - cap * extra_per_row
+    chunks: list[tuple[int, int, int, int]] = []
+    i, nb = 0, len(starts)
+    while i < nb:
+        if len(chunks) == limit:
+            return None
+        j = int(np.searchsorted(ends, starts[i] + cap, side="right"))  # blocks within the cap
+        j = max(j, i + 1)
+        a = np.minimum.accumulate(lo[i:j])
+        b = np.maximum.accumulate(hi[i:j])
+        col0 = np.where(a == none, 0, a // COL_ALIGN * COL_ALIGN)
+        width = np.where(a == none, COL_ALIGN, -(-(b - col0) // COL_ALIGN) * COL_ALIGN)
+        need = 4 * (ends[i:j] - starts[i]) * width  # nondecreasing along the blocks
+        m = max(1, int(np.searchsorted(need, logits_bytes, side="right")))
+        chunks.append((int(starts[i]), int(ends[i + m - 1]), int(col0[m - 1]), int(width[m - 1])))
+        i += m
     return chunks
 
 
@@ -346,11 +391,8 @@ def indexer_topk_prepared(
     order = sorted(range(len(chunks)), key=lambda i: -work[i])  # stable: ties keep order
     chunks = [chunks[i] for i in order]
     max_rows = max((r1 - r0 for r0, r1, _, _ in chunks), default=0)
-    max_width = max((w for _, _, _, w in chunks), default=COL_ALIGN)
-    bufs = [
-        torch.empty(max_rows * max_width, dtype=torch.float32, device=dev)
-        for _ in range(streams.n_buf)
-    ]
+    max_floats = max(((r1 - r0) * w for r0, r1, _, w in chunks), default=0)
+    bufs = [torch.empty(max_floats, dtype=torch.float32, device=dev) for _ in range(streams.n_buf)]
     # the select's workspace and flags are allocated behind the first logits launch: until it
     # the GPU waits for the host
     ws: TopkWorkspace | None = None
@@ -396,7 +438,7 @@ def indexer_topk_prepared(
     if p.unchecked is not None:
         _raise_unless_finite(host[:4].view(np.float32))
         host = host[4:]
-    fallback = _finish_flagged_rows(p, np.flatnonzero(host), out, topk, config, launch)
+    fallback = _finish_flagged_rows(p, np.flatnonzero(host), out, topk, config, launch, chunks)
     if timing:
         torch.cuda.synchronize()
         for name, i in (("logits_ms", 0), ("select_ms", 1), ("order_ms", 2)):
@@ -464,6 +506,12 @@ class _Streams:
             self.main.wait_stream(self.side)
 
 
+@functools.cache
+def _always_warp_specialised(config: LogitsConfig) -> LogitsConfig:
+    """`config` with the warp-specialised kernel for every launch it can run."""
+    return replace(config, ws_min_scores=1)
+
+
 def _finish_flagged_rows(
     p: PreparedInputs,
     bad: np.ndarray,
@@ -471,21 +519,33 @@ def _finish_flagged_rows(
     topk: int,
     config: IndexerConfig,
     launch: Callable[..., None],
+    chunks: list[tuple[int, int, int, int]],
 ) -> int:
     """Rows the select flagged (`bad`, ascending): recompute their logits, exact torch top-k.
     Returns the count.
 
-    Consecutive flagged rows share one logits launch (as many as fit
-    `max_chunk_bytes` with the exact path's int64 sort temporaries, ~40 B a score); a row's
-    scores do not depend on which other rows share its launch, so they are the chunk's scores
-    bitwise. (A launch small enough for the config's one-block form takes relu as max(x, 0)
-    where a chunk's two-block programs may take x + |x| with halved weights: the same products
-    unless |w * q_scale| < 2^-125, `LogitsConfig.pair_relu`.)
+    Consecutive flagged rows of one chunk (`chunks`, as planned) share one logits launch (as
+    many as fit `max_chunk_bytes` with the exact path's int64 sort temporaries, ~40 B a score);
+    a row's scores do not depend on which other rows share its launch, and the launch runs the
+    kernel the chunk ran (the warp-specialised one too, which a launch this small would not
+    take by `ws_min_scores`), so they are the chunk's scores bitwise. (A launch small enough for
+    the config's one-block form takes relu as max(x, 0) where a chunk's two-block programs may
+    take x + |x| with halved weights: the same products unless |w * q_scale| < 2^-125,
+    `LogitsConfig.pair_relu`.)
     """
     if bad.size == 0:
         return 0
-    runs = np.split(bad, np.flatnonzero(np.diff(bad) != 1) + 1)
+    starts = np.array(sorted(c[0] for c in chunks))  # the chunks tile the rows
+    ws = {
+        r0: config.logits.runs_warp_specialised(p.q8, p.k8, p.heads, r1 - r0, col0)
+        for r0, r1, col0, _ in chunks
+    }
+    home = starts[np.searchsorted(starts, bad, side="right") - 1]  # each row's chunk
+    runs = np.split(bad, np.flatnonzero((np.diff(bad) != 1) | (np.diff(home) != 0)) + 1)
     for run in runs:
+        logits_config = config.logits
+        if ws[int(home[np.searchsorted(bad, run[0])])]:
+            logits_config = _always_warp_specialised(config.logits)
         # at most one chunk's worth of rows per launch (the memory bound)
         for r0, r1, col0, width in plan_chunks(
             p.ks_host[run[0] : run[-1] + 1],
@@ -500,7 +560,7 @@ def _finish_flagged_rows(
             a = int(run[0]) + r0
             launch(
                 p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, logits,
-                heads=p.heads, row0=a, n_rows=n, col0=col0, config=config.logits,
+                heads=p.heads, row0=a, n_rows=n, col0=col0, config=logits_config,
             )  # fmt: skip
             out[a : a + n] = topk_rows_torch(
                 logits, col0, p.ks[a : a + n], p.ke[a : a + n], topk, p.s_k

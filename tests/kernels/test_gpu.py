@@ -353,6 +353,33 @@ def test_fixed_config_runs_the_warp_specialised_kernel_from_2_28_scores() -> Non
     assert ((outs[0] - outs[2]).abs() / scale).nan_to_num(0.0).amax().item() <= 1e-5
 
 
+def test_flagged_rows_are_recomputed_with_their_chunks_kernel() -> None:
+    # the select's flagged rows get their logits again in small launches, which by
+    # ws_min_scores alone would run the Triton kernel (scores equal to fp32 rounding only):
+    # they run the chunk's warp-specialised kernel, so the answer is the unflagged one bitwise
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised logits kernel is sm_90 only")
+    s = 16384
+    ks, ke = packed_ranges([7000, 5000, 4384])
+    q, k, w = random_inputs(s, 64, 128, seed=17, device="cuda")
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    ran = []
+
+    def launch(*args, **kwargs):
+        kern = launch_logits(*args, **kwargs)
+        ran.append((kwargs["n_rows"], kern.name))
+        return kern
+
+    # one pass aiming at 1.01 topk candidates: many rows count fewer than topk and are flagged
+    rough = IndexerConfig(topk=dataclasses.replace(FIXED_CONFIG.topk, ratio=1.01, max_passes=1))
+    stats: dict = {}
+    got = indexer_topk_prepared(p, 2048, rough, stats=stats, launch=launch)
+    assert 0 < stats["fallback_rows"] < s
+    assert ran[0] == (s, "_ws_logits_kernel") and len(ran) > 1
+    assert all(n < s and name == "_ws_logits_kernel" for n, name in ran[1:])
+    assert torch.equal(got, indexer_topk_prepared(p, 2048))
+
+
 def test_small_launches_run_the_one_block_form() -> None:
     # the fixed config's group_min_scores: 4K rows x 4K keys run one block a program (128
     # registers at H=64), 8K x 8K the capped pairs (168), as every launch of v10's config

@@ -68,28 +68,60 @@ def test_bad_shapes_and_ranges_raise(device: str) -> None:
         fp8_indexer_topk(q, k.to("meta"), w, ks, ke, 8)
 
 
-def test_plan_chunks_is_pure_and_bounded() -> None:
+def _check_plan(chunks, ks, ke, extra: int, bound: int, align: int) -> None:
+    """The chunks tile the rows in order, whole query blocks but the last, their windows hold
+    every live row's range, and the largest chunk's logits plus the largest chunk's rows of
+    workspace (the buffers reused across chunks) fit the bound."""
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(ks)
+    assert [c[1] for c in chunks[:-1]] == [c[0] for c in chunks[1:]]
+    assert all((r1 - r0) % align == 0 for r0, r1, _, _ in chunks[:-1])
+    for r0, r1, col0, width in chunks:
+        assert col0 % 16 == 0 and width % 16 == 0 and r1 > r0
+        live = [(s, e) for s, e in zip(ks[r0:r1], ke[r0:r1], strict=True) if e > s]
+        assert all(col0 <= s and e <= col0 + width for s, e in live)
+    logits = max(4 * (r1 - r0) * w for r0, r1, _, w in chunks)
+    assert logits + max(r1 - r0 for r0, r1, _, _ in chunks) * extra <= bound
+
+
+def test_plan_chunks_is_pure_bounded_and_sized_by_key_windows() -> None:
     ks, ke = packed_ranges([500, 300, 224])
     ks, ke = ks.tolist(), ke.tolist()
-    chunks = plan_chunks(ks, ke, 1024, 0, max_chunk_bytes=4 * 1024 * 128)
-    assert [(a, b) for a, b, _, _ in chunks] == [
-        (r, min(r + 128, 1024)) for r in range(0, 1024, 128)
-    ]
-    for r0, r1, col0, width in chunks:
-        assert col0 % 16 == 0 and width % 16 == 0
-        assert col0 <= min(ks[r0:r1]) and max(ke[r0:r1]) <= col0 + width
-    assert chunks == plan_chunks(ks, ke, 1024, 0, max_chunk_bytes=4 * 1024 * 128)
+    bound = 4 * 1024 * 128  # 128 rows of all 1024 keys
+    chunks = plan_chunks(ks, ke, 1024, 0, max_chunk_bytes=bound)
+    _check_plan(chunks, ks, ke, 0, bound, 64)
+    assert chunks == plan_chunks(ks, ke, 1024, 0, max_chunk_bytes=bound)
+    # windows narrower than all keys: fewer than the 8 chunks of 128 all-key rows
+    assert len(chunks) < 8
+    # the first document's causal rows while their window fits: 320 x 320 floats (384 x 384
+    # would not)
+    assert chunks[0] == (0, 320, 0, 320)
+    # with workspace and a causal row (windows growing to all keys); empty rows do not widen
+    n = 4096
+    ks = [0] * n
+    ke = [i + 1 if i % 7 else 0 for i in range(n)]
+    for extra, align in ((0, 64), (3000, 64), (3000, 1), (10**5, 64)):
+        bound = 4 * n * 300 + 200 * extra
+        chunks = plan_chunks(ks, ke, n, extra, max_chunk_bytes=bound, align=align)
+        _check_plan(chunks, ks, ke, extra, bound, align)
+        uniform = -(-n // max(align, bound // (4 * n + extra) // align * align))
+        # never more chunks than rows of all keys; fewer unless the workspace takes the bound
+        assert len(chunks) < uniform if extra < 10**5 else len(chunks) == uniform
+    # a bound smaller than one block: one block a chunk, over the bound
+    chunks = plan_chunks(ks, ke, n, 3000, max_chunk_bytes=1000)
+    assert [r1 - r0 for r0, r1, _, _ in chunks] == [64] * (n // 64)
+    assert plan_chunks([], [], 128, 0, 1 << 20) == []
 
 
 def test_chunked_equals_unchunked(device: str) -> None:
     q, k, w, ks, ke = _case(device)
     p = prepare_inputs(q, k, w, ks, ke)
     per_row = 4 * p.k8.shape[0] + TopkWorkspace.bytes_per_row(8, SMALL_TOPK)
-    chunked = IndexerConfig(topk=SMALL_TOPK, max_chunk_bytes=64 * per_row)  # 64 rows a chunk
+    # 64 rows a chunk of all keys; the documents' windows are narrower: 3 chunks of 197 rows
+    chunked = IndexerConfig(topk=SMALL_TOPK, max_chunk_bytes=64 * per_row)
     stats: dict = {}
     a = indexer_topk_prepared(p, 8, chunked, stats=stats)
     b = indexer_topk_prepared(p, 8, SMALL)
-    assert stats["chunks"] == 4  # 197 queries
+    assert stats["chunks"] == 3
     assert torch.equal(a, b)
 
 
