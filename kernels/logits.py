@@ -111,8 +111,9 @@ class LogitsConfig:
     Gluon (`runs_warp_specialised`); elsewhere the Triton kernel. It sums a thread's heads in
     another order: scores equal to fp32 rounding, not bitwise, across the threshold and across
     GPU kinds (bitwise the same from call to call on one kind). 0.94-1.00 of the Triton
-    kernel's time from 16K rows x 16K keys in v13's H200 runs, 1.03-1.04 at 8K packed rows,
-    1.6-1.8 at 4K (v13 in docs/KERNELS.md). None: the Triton kernel everywhere.
+    kernel's time from 16K rows x 16K keys in v13's H200 probes (0.96-1.00 in its final runs),
+    1.03-1.04 at 8K packed rows, 1.6-1.8 at 4K (v13 in docs/KERNELS.md). None: the Triton
+    kernel everywhere.
     """
 
     block_n: int = 128
