@@ -3,10 +3,11 @@
     PYTHONPATH=. python3 benchmarks/chunk_probe.py --out $OUT/chunks
 
 `fp8_indexer_topk` computes a row's logits one query chunk at a time (`plan_chunks`, under
-`IndexerConfig.max_chunk_bytes`, 8 GiB): 3 chunks at 64K keys, 10 at 128K, each a launch whose
-last wave leaves SMs idle. At each shape this times the fixed logits config over the chunks of
-larger bounds (fewer, bigger launches, one shared buffer), interleaved (`time_interleaved`,
-medians). Writes chunk_probe.json and .md under --out; `--append-results FILE` appends the
+`IndexerConfig.max_chunk_bytes`, 8 GiB), each a launch whose last wave leaves SMs idle. At each
+shape this times the fixed logits config over the chunks `plan_chunks` makes under the default
+bound and larger ones (fewer, bigger launches, one shared buffer), interleaved
+(`time_interleaved`, medians). Its run of 2026-12-04 13:36 (RESULTS.md) planned every chunk as
+rows of all keys (10 chunks at 128K under 8 GiB); chunks are now sized by their key windows. Writes chunk_probe.json and .md under --out; `--append-results FILE` appends the
 markdown to benchmarks/RESULTS.md.
 """
 

@@ -294,8 +294,9 @@ def plan_chunks(
     rows of workspace (`extra_per_row` bytes each: what the buffers, reused across chunks,
     take) fit the bound. R is the rows that s_kp-wide rows fit (every chunk's window then fits)
     or a power-of-two multiple of it, whichever plans the fewest chunks (the smallest on a tie):
-    fewer, larger launches leave fewer idle last waves (the 128K packed row of the H200 runs:
-    10 chunks of all keys, 3 of their windows, 5% less logits time; benchmarks/chunk_probe.py).
+    fewer, larger launches leave fewer idle last waves (the 128K packed row on the H200: 981
+    TFLOP/s in 10 chunks of all keys, 1031 in 3 under a 32 GiB bound, benchmarks/chunk_probe.py;
+    1003 in the 5 chunks of its windows under the default 8 GiB).
     """
     ks, ke = np.asarray(ks), np.asarray(ke)
     n = len(ks)
