@@ -319,17 +319,23 @@ def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
                 assert torch.equal(runs[-1], runs[0]), (row0, kw)
 
 
+def _ws_row(seed: int):
+    """A prepared 16K-token packed row at 64 heads (16K x 16K = 2^28 scores: the fixed config's
+    warp-specialised threshold) and its ks, ke on the host; skips off sm_90."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised logits kernel is sm_90 only")
+    ks, ke = packed_ranges([7000, 5000, 4384])
+    q, k, w = random_inputs(16384, 64, 128, seed=seed, device="cuda")
+    return prepare_inputs(q, k, w, ks.cuda(), ke.cuda()), ks, ke
+
+
 def test_fixed_config_runs_the_warp_specialised_kernel_from_2_28_scores() -> None:
     # v13: on sm_90, H=64 launches of 2^28 scores and more (rows x padded keys) run
     # kernels.logits_ws with the banks epilogue: the Triton kernel's scores to fp32 rounding,
     # in the same places, bitwise from launch to launch; smaller launches, 32 heads or a
     # config without the threshold run the Triton kernel
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised logits kernel is sm_90 only")
-    s = 16384
-    ks, ke = packed_ranges([7000, 5000, 4384])
-    q, k, w = random_inputs(s, 64, 128, seed=13, device="cuda")
-    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    p, ks, ke = _ws_row(seed=13)
+    s = p.s_q
     fixed, triton_only = FIXED_LOGITS_CONFIG, dataclasses.replace(V10, group_min_scores=1 << 25)
     assert fixed.runs_warp_specialised(p.q8, p.k8, 64, s, 0)
     assert not fixed.runs_warp_specialised(p.q8, p.k8, 64, s // 2, 0)
@@ -357,12 +363,8 @@ def test_flagged_rows_are_recomputed_with_their_chunks_kernel() -> None:
     # the select's flagged rows get their logits again in small launches, which by
     # ws_min_scores alone would run the Triton kernel (scores equal to fp32 rounding only):
     # they run the chunk's warp-specialised kernel, so the answer is the unflagged one bitwise
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised logits kernel is sm_90 only")
-    s = 16384
-    ks, ke = packed_ranges([7000, 5000, 4384])
-    q, k, w = random_inputs(s, 64, 128, seed=17, device="cuda")
-    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    p, _, _ = _ws_row(seed=17)
+    s = p.s_q
     ran = []
 
     def launch(*args, **kwargs):
