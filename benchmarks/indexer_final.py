@@ -306,9 +306,10 @@ def time_interleaved(
 
     Each round visits every runner once, in a new seeded random order, and each timed sample
     follows one untimed call of the same runner: in a fixed order a runner always starts right
-    after the same neighbour, and the GPU's clock and power state left by that neighbour biased
-    it alike in every round (the 2026-12-04 13:25 run timed n128/k64/w4/s3 2-6% faster than the
-    fixed config at H = 32, where both launch the same binary). A sample repeats a runner until
+    after the same neighbour, so whatever state that neighbour leaves (clock, power, caches)
+    biases it alike in every round (the 2026-12-04 13:25 run, in a fixed order, timed
+    n128/k64/w4/s3 2-6% faster than the fixed config at H = 32, where both launch the same
+    binary; `measure_logits_shape` now times such configs once). A sample repeats a runner until
     it covers min_sample_ms, so short kernels are not timed at event resolution."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     reps = {}
