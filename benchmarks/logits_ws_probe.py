@@ -50,8 +50,9 @@ TRITON_FIXED = V11_LOGITS_CONFIG
 
 TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
 FIXED_NAME = f"fixed, Triton ({TRITON_FIXED.label})"
-# (stages, lag, epilogue): the key-tile ring and the epilogue (`kernels.logits_ws.EPILOGUES`)
-WS_VARIANTS = ((4, 1, "banks"), (3, 1, "banks"), (4, 1, "convert"))
+# (stages, lag, epilogue, start_align): the key-tile ring, the epilogue
+# (`kernels.logits_ws.EPILOGUES`) and where a CTA's key tiles start (16 keys or whole tiles)
+WS_VARIANTS = ((4, 1, "banks", 16), (4, 1, "banks", 64))
 SHAPES = (
     (64, 16384, False),
     (64, 32768, False),
@@ -73,17 +74,18 @@ ROUNDS = 7
 MAX_REL_DIFF = 1e-5
 
 
-def ws_name(stages: int, lag: int, epilogue: str) -> str:
-    return f"ws s{stages}/lag{lag}/{epilogue}"
+def ws_name(stages: int, lag: int, epilogue: str, start_align: int) -> str:
+    return f"ws s{stages}/lag{lag}/{epilogue}/start{start_align}"
 
 
-def ws_launch(p, out, r0: int, r1: int, col0: int, stages: int, lag: int, epilogue: str):
+def ws_launch(p, out, r0: int, r1: int, col0: int, stages: int, lag: int, epilogue: str,
+              start_align: int) -> None:  # fmt: skip
     from kernels.logits_ws import launch_logits_ws
 
     launch_logits_ws(
         p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
         heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, stages=stages, lag=lag,
-        epilogue=epilogue,
+        epilogue=epilogue, start_align=start_align,
     )  # fmt: skip
 
 
@@ -94,14 +96,14 @@ def fixed_launch(p, out, r0: int, r1: int, col0: int) -> None:
     )  # fmt: skip
 
 
-def ws_runner(p, buf, stages: int, lag: int, epilogue: str):
+def ws_runner(p, buf, stages: int, lag: int, epilogue: str, start_align: int):
     """All chunks' launches of a topk call with the WS kernel (as `logits_runner`)."""
     chunks = chunk_plan(p)
 
     def run() -> None:
         for r0, r1, col0, width in chunks:
             out = buf[: (r1 - r0) * width].view(r1 - r0, width)
-            ws_launch(p, out, r0, r1, col0, stages, lag, epilogue)
+            ws_launch(p, out, r0, r1, col0, stages, lag, epilogue, start_align)
 
     return run
 
@@ -234,7 +236,7 @@ def profile(which: str) -> None:
     if which == "fixed":
         run = logits_runner(p, TRITON_FIXED, buf)
     else:
-        run = ws_runner(p, buf, 4, 1, "convert" if which == "ws" else "banks")
+        run = ws_runner(p, buf, 4, 1, "convert" if which == "ws" else "banks", 16)
     for _ in range(2):
         run()
     torch.cuda.synchronize()

@@ -213,7 +213,8 @@ def _consumer(
 def _ws_logits_kernel(
     q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    LAG: gl.constexpr, EPILOGUE: gl.constexpr, num_warps: gl.constexpr,
+    LAG: gl.constexpr, EPILOGUE: gl.constexpr, START_ALIGN: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """One CTA: QUERIES queries (heaviest first), four warpgroups over [min ks, max ke)."""
     blk = gl.cdiv(n_rows, QUERIES) - 1 - gl.program_id(0)
@@ -241,8 +242,12 @@ def _ws_logits_kernel(
     ok = r < n_rows
     lo = gl.min(gl.load(ks_ptr + row0 + r, mask=ok, other=2147483647), axis=0)
     hi = gl.max(gl.load(ke_ptr + row0 + r, mask=ok, other=0), axis=0)
-    start = (lo // BLOCK_K) * BLOCK_K
+    # tiles from min ks rounded down to START_ALIGN keys (a TMA copy may start at any key);
+    # the last ends at most at max ke rounded up to BLOCK_K, inside the padded keys and their
+    # scales (a 16-aligned start would otherwise run up to 48 keys past them)
+    start = (lo // START_ALIGN) * START_ALIGN
     n_tiles = gl.maximum(gl.cdiv(hi - start, BLOCK_K), 0)
+    start = gl.minimum(start, gl.cdiv(hi, BLOCK_K) * BLOCK_K - n_tiles * BLOCK_K)
     mbarrier.wait(qbar, 0)
     # the partitions' arguments are spelled out in full: in Triton 3.6's Gluon a tuple bound to
     # a name turns its constexprs (H, BLOCK_K, ...) into tensors, so it cannot be built once
@@ -336,15 +341,21 @@ def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, s
 
 
 def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, col0,
-                     stages: int = 4, lag: int = 2, epilogue: str = "convert"):  # fmt: skip
+                     stages: int = 4, lag: int = 2, epilogue: str = "convert",
+                     start_align: int = 16):  # fmt: skip
     """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128; all
     tensors on one GPU). Warpgroup 0 keeps stages - lag key tiles in flight ahead of its own.
     `epilogue` (`EPILOGUES`): "convert" stores one score a thread, "direct" the four a thread
     holds (3 of 4 lanes' stores predicated off), "banks" splits each warpgroup's columns in two
     wgmmas and sums the first's heads while the second runs (another summation order than the
-    fixed config's: equal to fp32 rounding, not bitwise)."""
+    fixed config's: equal to fp32 rounding, not bitwise). A CTA's key tiles start at its
+    queries' smallest ks rounded down to `start_align` keys (16, or 64: whole key tiles as the
+    Triton kernel's): a packed row's documents start anywhere, and 16 saves 24 keys of the
+    first tile on average; every score is computed alike either way (bitwise the same)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"launch_logits_ws: epilogue={epilogue!r}: one of {list(EPILOGUES)}")
+    if start_align not in (16, BLOCK_K):
+        raise ValueError(f"launch_logits_ws: start_align={start_align}: 16 or {BLOCK_K}")
     _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
     if n_rows <= 0:
         return None
@@ -354,5 +365,5 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
         _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
         k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
         H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
-        EPILOGUE=EPILOGUES[epilogue], num_warps=4, maxnreg=128,
+        EPILOGUE=EPILOGUES[epilogue], START_ALIGN=start_align, num_warps=4, maxnreg=128,
     )  # fmt: skip
