@@ -53,7 +53,7 @@ from kernels.fp8_indexer import (
     plan_chunks,
     prepare_inputs,
 )
-from kernels.logits import LogitsConfig, launch_logits
+from kernels.logits import WS_LAUNCH, LogitsConfig, launch_logits, triton_launch
 from kernels.topk import ONE_LAUNCH_TOPK_CONFIG, SCAN_TOPK_CONFIG, TopkConfig, TopkWorkspace
 
 PROCESS_START = time.monotonic()  # --final's budget counts from here (after the imports)
@@ -194,13 +194,10 @@ def launch_identity(p: PreparedInputs, cfg: LogitsConfig) -> tuple:
     for r0, r1, col0, _ in chunk_plan(p):
         n = r1 - r0
         if cfg.runs_warp_specialised(p.q8, p.k8, p.heads, n, col0):
-            kinds.append(("ws",))
+            kinds.append(("ws", *sorted(WS_LAUNCH.items())))
             continue
-        c = cfg.for_launch(n, p.k8.shape[0])
-        meta, options = c.kernel_params(p.heads)
-        even_k = c.key_mask == "auto" and p.k8.shape[0] % c.block_k == 0
-        grid = math.ceil(math.ceil(n / meta["BLOCK_Q"]) / meta["GROUPS"])
-        kinds.append(("triton", *sorted(meta.items()), *sorted(options.items()), even_k, grid))
+        grid, meta, options = triton_launch(cfg, p.heads, n, p.k8.shape[0])
+        kinds.append(("triton", grid, *sorted(meta.items()), *sorted(options.items())))
     return tuple(kinds)
 
 

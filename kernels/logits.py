@@ -551,12 +551,9 @@ def launch_logits(
 
         return launch_logits_ws(
             q8, wq, k8, k_scale, ks, ke, out, heads=heads, row0=row0, n_rows=n_rows,
-            col0=col0, stages=4, lag=1, epilogue="banks",
+            col0=col0, **WS_LAUNCH,
         )  # fmt: skip
-    config = config.for_launch(n_rows, s_k)
-    meta, options = config.kernel_params(heads)
-    even_k = config.key_mask == "auto" and s_k % config.block_k == 0
-    grid = (triton.cdiv(triton.cdiv(n_rows, meta["BLOCK_Q"]), meta["GROUPS"]),)
+    grid, meta, options = triton_launch(config, heads, n_rows, s_k)
     return _indexer_logits_kernel[grid](
         q8,
         wq,
@@ -572,7 +569,23 @@ def launch_logits(
         out.stride(0),
         H=heads,
         D=q8.shape[1],
-        EVEN_K=even_k,
         **meta,
         **options,
     )
+
+
+# the warp-specialised kernel's launch in the fixed path (`launch_logits`)
+WS_LAUNCH = {"stages": 4, "lag": 1, "epilogue": "banks"}
+
+
+def triton_launch(
+    config: LogitsConfig, heads: int, n_rows: int, s_k: int
+) -> tuple[tuple[int], dict, dict]:
+    """The Triton kernel's grid, constexprs (EVEN_K included; not H and D) and launch options
+    for a launch of n_rows queries over s_k padded keys: `config.for_launch`'s form. The one
+    place `launch_logits` and the benchmarks (`bench_indexer.launch_identity`) take them from."""
+    config = config.for_launch(n_rows, s_k)
+    meta, options = config.kernel_params(heads)
+    meta["EVEN_K"] = config.key_mask == "auto" and s_k % config.block_k == 0
+    grid = (triton.cdiv(triton.cdiv(n_rows, meta["BLOCK_Q"]), meta["GROUPS"]),)
+    return grid, meta, options
