@@ -50,9 +50,12 @@ TRITON_FIXED = V11_LOGITS_CONFIG
 
 TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
 FIXED_NAME = f"fixed, Triton ({TRITON_FIXED.label})"
-# (stages, lag, epilogue, start_align): the key-tile ring, the epilogue
-# (`kernels.logits_ws.EPILOGUES`) and where a CTA's key tiles start (16 keys or whole tiles)
-WS_VARIANTS = ((4, 1, "banks", 16), (4, 1, "banks", 64))
+# launch_logits_ws's keyword arguments of each variant: the key-tile ring (stages, lag), the
+# epilogue (`kernels.logits_ws.EPILOGUES`), where a CTA's key tiles start (16 keys or whole
+# tiles), which warpgroup issues the key tiles (`rotate`) and whether one CTA an SM takes
+# query blocks from a counter (`persistent`)
+_BANKS = {"stages": 4, "lag": 1, "epilogue": "banks", "start_align": 16}
+WS_VARIANTS = (_BANKS, {**_BANKS, "rotate": True}, {**_BANKS, "persistent": True})
 SHAPES = (
     (64, 16384, False),
     (64, 32768, False),
@@ -74,18 +77,19 @@ ROUNDS = 7
 MAX_REL_DIFF = 1e-5
 
 
-def ws_name(stages: int, lag: int, epilogue: str, start_align: int) -> str:
-    return f"ws s{stages}/lag{lag}/{epilogue}/start{start_align}"
+def ws_name(v: dict) -> str:
+    name = f"ws s{v['stages']}/lag{v['lag']}/{v['epilogue']}/start{v['start_align']}"
+    if v.get("rotate"):
+        name += "/rotate"
+    return name + ("/persistent" if v.get("persistent") else "")
 
 
-def ws_launch(p, out, r0: int, r1: int, col0: int, stages: int, lag: int, epilogue: str,
-              start_align: int) -> None:  # fmt: skip
+def ws_launch(p, out, r0: int, r1: int, col0: int, v: dict) -> None:
     from kernels.logits_ws import launch_logits_ws
 
     launch_logits_ws(
         p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
-        heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, stages=stages, lag=lag,
-        epilogue=epilogue, start_align=start_align,
+        heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, **v,
     )  # fmt: skip
 
 
@@ -96,14 +100,14 @@ def fixed_launch(p, out, r0: int, r1: int, col0: int) -> None:
     )  # fmt: skip
 
 
-def ws_runner(p, buf, stages: int, lag: int, epilogue: str, start_align: int):
+def ws_runner(p, buf, v: dict):
     """All chunks' launches of a topk call with the WS kernel (as `logits_runner`)."""
     chunks = chunk_plan(p)
 
     def run() -> None:
         for r0, r1, col0, width in chunks:
             out = buf[: (r1 - r0) * width].view(r1 - r0, width)
-            ws_launch(p, out, r0, r1, col0, stages, lag, epilogue, start_align)
+            ws_launch(p, out, r0, r1, col0, v)
 
     return run
 
@@ -112,11 +116,13 @@ def compare(p) -> dict[str, dict]:
     """Each WS variant against the fixed config, chunk by chunk (each chunk's scores into a
     NaN-filled buffer, the fixed config's first, then the variant's twice): the positions
     written (`written` counts the fixed config's: a check over nothing cannot pass), the
-    largest difference relative to the row's largest score, bitwise equality and repeatability."""
+    largest difference relative to the row's largest score, bitwise equality (with the fixed
+    config and with the first variant) and repeatability."""
     buf = logits_buffer(p)
     res = {
-        ws_name(*v): {"same_written": True, "max_rel_diff": 0.0, "deterministic": True,
-                      "bitwise_equal_fixed": True, "written": 0}
+        ws_name(v): {"same_written": True, "max_rel_diff": 0.0, "deterministic": True,
+                      "bitwise_equal_fixed": True, "bitwise_equal_first_variant": True,
+                      "written": 0}
         for v in WS_VARIANTS
     }  # fmt: skip
     for r0, r1, col0, width in chunk_plan(p):
@@ -126,13 +132,14 @@ def compare(p) -> dict[str, dict]:
         want = out.clone()
         written = ~torch.isnan(want)
         scale = want.nan_to_num(0.0).abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        first = None
         for v in WS_VARIANTS:
             got = []
             for _ in range(2):
                 out.fill_(float("nan"))
-                ws_launch(p, out, r0, r1, col0, *v)
+                ws_launch(p, out, r0, r1, col0, v)
                 got.append(out.clone())
-            c = res[ws_name(*v)]
+            c = res[ws_name(v)]
             c["written"] += int(written.sum())
             c["same_written"] &= bool(torch.equal(written, ~torch.isnan(got[0])))
             diff = ((got[0] - want).abs() / scale).nan_to_num(0.0).amax().item()
@@ -140,6 +147,8 @@ def compare(p) -> dict[str, dict]:
             bits = [g.view(torch.int32) for g in got]
             c["deterministic"] &= bool(torch.equal(bits[0], bits[1]))
             c["bitwise_equal_fixed"] &= bool(torch.equal(bits[0], want.view(torch.int32)))
+            first = bits[0] if first is None else first
+            c["bitwise_equal_first_variant"] &= bool(torch.equal(bits[0], first))
     return res
 
 
@@ -164,7 +173,7 @@ def probe(out: Path | None) -> dict:
         buf = logits_buffer(p)
         runners = {FIXED_NAME: logits_runner(p, TRITON_FIXED, buf)}
         for v in WS_VARIANTS:
-            runners[ws_name(*v)] = ws_runner(p, buf, *v)
+            runners[ws_name(v)] = ws_runner(p, buf, v)
         ms = time_interleaved(runners, ROUNDS)
         res["shapes"].append(
             {
@@ -210,9 +219,19 @@ def markdown(res: dict) -> str:
         for r in shapes
         for c in r["check"].values()
     )
+    same_first = all(
+        isinstance(c, dict) and c.get("bitwise_equal_first_variant")
+        for r in shapes
+        for c in r["check"].values()
+    )
     checks = (
         "at every shape, every variant wrote the fixed config's positions, its scores are "
         + ("bitwise equal to the fixed config's" if bitwise else "within fp32 rounding of them")
+        + (
+            ", every variant's bitwise equal to the first's"
+            if same_first
+            else ", NOT every variant's bitwise equal to the first's"
+        )
         + " and two runs of it are bitwise equal"
         if not bad
         else "; ".join(bad)
@@ -226,8 +245,8 @@ def markdown(res: dict) -> str:
 
 
 def profile(which: str) -> None:
-    """Two launches at 16K causal, H = 64 of the fixed config or `ws` (s4/lag1/convert) or
-    `banks` (s4/lag1/banks), for
+    """Two launches at 16K causal, H = 64 of the fixed config or `ws` (s4/lag1/convert),
+    `banks` (s4/lag1/banks) or `persistent` (banks, one CTA an SM), for
     `ncu --launch-skip 1 --launch-count 1`."""
     ks, ke = row_ranges(16384, packed=False)
     q, k, w = random_row(16384, 64, seed=1)
@@ -236,7 +255,10 @@ def profile(which: str) -> None:
     if which == "fixed":
         run = logits_runner(p, TRITON_FIXED, buf)
     else:
-        run = ws_runner(p, buf, 4, 1, "convert" if which == "ws" else "banks", 16)
+        epilogue = "convert" if which == "ws" else "banks"
+        run = ws_runner(
+            p, buf, {**_BANKS, "epilogue": epilogue, "persistent": which == "persistent"}
+        )
     for _ in range(2):
         run()
     torch.cuda.synchronize()
@@ -244,8 +266,8 @@ def profile(which: str) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--profile"]:
-        if sys.argv[2:] not in (["fixed"], ["ws"], ["banks"]):
-            sys.exit("usage: logits_ws_probe.py --profile fixed|ws|banks")
+        if sys.argv[2:] not in (["fixed"], ["ws"], ["banks"], ["persistent"]):
+            sys.exit("usage: logits_ws_probe.py --profile fixed|ws|banks|persistent")
         profile(sys.argv[2])
         return
     probe_main(__doc__, TITLE, "logits_ws_probe.py", "logits_ws_probe.json", probe)
