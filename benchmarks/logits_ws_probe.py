@@ -51,11 +51,10 @@ TRITON_FIXED = V11_LOGITS_CONFIG
 TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
 FIXED_NAME = f"fixed, Triton ({TRITON_FIXED.label})"
 # launch_logits_ws's keyword arguments of each variant: the key-tile ring (stages, lag), the
-# epilogue (`kernels.logits_ws.EPILOGUES`), where a CTA's key tiles start (16 keys or whole
-# tiles), which warpgroup issues the key tiles (`rotate`) and whether one CTA an SM takes
-# query blocks from a counter (`persistent`)
+# epilogue (`kernels.logits_ws.EPILOGUES`) and where a CTA's key tiles start (16 keys or whole
+# tiles)
 _BANKS = {"stages": 4, "lag": 1, "epilogue": "banks", "start_align": 16}
-WS_VARIANTS = (_BANKS, {**_BANKS, "rotate": True}, {**_BANKS, "persistent": True})
+WS_VARIANTS = (_BANKS, {**_BANKS, "start_align": 64})
 SHAPES = (
     (64, 16384, False),
     (64, 32768, False),
@@ -78,10 +77,7 @@ MAX_REL_DIFF = 1e-5
 
 
 def ws_name(v: dict) -> str:
-    name = f"ws s{v['stages']}/lag{v['lag']}/{v['epilogue']}/start{v['start_align']}"
-    if v.get("rotate"):
-        name += "/rotate"
-    return name + ("/persistent" if v.get("persistent") else "")
+    return f"ws s{v['stages']}/lag{v['lag']}/{v['epilogue']}/start{v['start_align']}"
 
 
 def ws_launch(p, out, r0: int, r1: int, col0: int, v: dict) -> None:
@@ -245,8 +241,8 @@ def markdown(res: dict) -> str:
 
 
 def profile(which: str) -> None:
-    """Two launches at 16K causal, H = 64 of the fixed config or `ws` (s4/lag1/convert),
-    `banks` (s4/lag1/banks) or `persistent` (banks, one CTA an SM), for
+    """Two launches at 16K causal, H = 64 of the fixed config or `ws` (s4/lag1/convert) or
+    `banks` (s4/lag1/banks), for
     `ncu --launch-skip 1 --launch-count 1`."""
     ks, ke = row_ranges(16384, packed=False)
     q, k, w = random_row(16384, 64, seed=1)
@@ -255,10 +251,7 @@ def profile(which: str) -> None:
     if which == "fixed":
         run = logits_runner(p, TRITON_FIXED, buf)
     else:
-        epilogue = "convert" if which == "ws" else "banks"
-        run = ws_runner(
-            p, buf, {**_BANKS, "epilogue": epilogue, "persistent": which == "persistent"}
-        )
+        run = ws_runner(p, buf, {**_BANKS, "epilogue": "convert" if which == "ws" else "banks"})
     for _ in range(2):
         run()
     torch.cuda.synchronize()
@@ -266,8 +259,8 @@ def profile(which: str) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--profile"]:
-        if sys.argv[2:] not in (["fixed"], ["ws"], ["banks"], ["persistent"]):
-            sys.exit("usage: logits_ws_probe.py --profile fixed|ws|banks|persistent")
+        if sys.argv[2:] not in (["fixed"], ["ws"], ["banks"]):
+            sys.exit("usage: logits_ws_probe.py --profile fixed|ws|banks")
         profile(sys.argv[2])
         return
     probe_main(__doc__, TITLE, "logits_ws_probe.py", "logits_ws_probe.json", probe)

@@ -37,7 +37,12 @@ causal rows, up to 8% slower elsewhere. A persistent form, two warpgroups a CTA 
 slower, and with the converted store and 5-6 ring stages wrong, run-to-run different scores:
 removed; the launcher allows 3-4 stages only), 64-column accumulators with tiles in pairs,
 the first key tiles issued before the partitions start and the key tile in registers for
-both banks (register-A wgmma) were all slower and are gone.
+both banks (register-A wgmma) were all slower and are gone. v14 (docs/KERNELS.md): a persistent
+banks kernel with blocks from an atomic counter (bitwise these scores; 1.03-1.08x this kernel's
+time from 16K at H=64: its tile loop is heavier and a block change costs more than a CTA
+launch), the first key tiles issued under the queries' TMA (1.04-1.13x: warpgroup 0 spills) and
+the producer's work rotated over the four warpgroups (within 1% at H=64): gone too; the
+persistent kernel is in the commit before their removal.
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
 with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU;
@@ -163,7 +168,7 @@ def _consumer(
     q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr,
     row0, n_rows, col0, stride_out, blk, start, n_tiles,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    WGI: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr, ROTATE: gl.constexpr,
+    WGI: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WGI: its query block's scores over the CTA's key tiles."""
     BLOCK_N: gl.constexpr = 128
@@ -204,24 +209,16 @@ def _consumer(
         b_a = q_smem.slice(WGI * BLOCK_N, BN2).permute((1, 0))
         b_b = q_smem.slice(WGI * BLOCK_N + BN2, BN2).permute((1, 0))
         part_layout: gl.constexpr = _partials_layout(BLOCK_K, QW)
-    # a warpgroup whose queries are all past n_rows (the last CTA) still runs every tile: the
-    # ring's `empty` barriers count one arrive from each of the four warpgroups
     # the queries' TMA has landed (the CTA's first warps waited before the partitions began;
     # this wait makes each partition's own ordering explicit and costs one completed-phase test)
     mbarrier.wait(qbar, 0)
+    # a warpgroup whose queries are all past n_rows (the last CTA) still runs every tile: the
+    # ring's `empty` barriers count one arrive from each of the four warpgroups
     if WGI == 0:
         for j in gl.static_range(STAGES - LAG):
             _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles, BLOCK_K, STAGES)
     for i in range(n_tiles):
-        # the tile STAGES - LAG ahead: issued by warpgroup 0, or (ROTATE) by warpgroup i % 4,
-        # which spreads the producer's instructions over the four
-        if ROTATE:
-            if i % 4 == WGI:
-                _issue_tile(
-                    k_desc, k_bufs, ready, empty, start, i + STAGES - LAG, n_tiles, BLOCK_K,
-                    STAGES,
-                )  # fmt: skip
-        elif WGI == 0:
+        if WGI == 0:
             _issue_tile(
                 k_desc, k_bufs, ready, empty, start, i + STAGES - LAG, n_tiles, BLOCK_K, STAGES
             )
@@ -251,7 +248,7 @@ def _consumer(
 def _ws_logits_kernel(
     q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    LAG: gl.constexpr, EPILOGUE: gl.constexpr, START_ALIGN: gl.constexpr, ROTATE: gl.constexpr,
+    LAG: gl.constexpr, EPILOGUE: gl.constexpr, START_ALIGN: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
     """One CTA: QUERIES queries (heaviest first), four warpgroups over [min ks, max ke)."""
@@ -285,311 +282,16 @@ def _ws_logits_kernel(
         [
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 0, LAG, EPILOGUE, ROTATE)),
+                         H, BLOCK_K, QUERIES, STAGES, 0, LAG, EPILOGUE)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 1, LAG, EPILOGUE, ROTATE)),
+                         H, BLOCK_K, QUERIES, STAGES, 1, LAG, EPILOGUE)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 2, LAG, EPILOGUE, ROTATE)),
+                         H, BLOCK_K, QUERIES, STAGES, 2, LAG, EPILOGUE)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 3, LAG, EPILOGUE, ROTATE)),
-        ],
-        [4, 4, 4],
-        [128, 128, 128],
-    )  # fmt: skip
-
-
-@gluon.jit
-def _issue_key_tile(k_desc, k_bufs, ready, empty, g, key, STAGES: gl.constexpr):
-    """Persistent kernel: the CTA's key tile g (keys from `key`) into ring buffer g % STAGES,
-    once every warpgroup released its last use."""
-    s = g % STAGES
-    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [key, 0], ready.index(s), k_bufs.index(s))
-
-
-@gluon.jit
-def _issue_stream(k_desc, k_bufs, ready, empty, base, m, start, n, next_start, next_n,
-                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Persistent kernel: tile m of the CTA's stream from this block (n tiles from key start;
-    its first tile is the CTA's tile `base`) on into the next block (next_n from
-    next_start), if there is one."""
-    key = gl.where(m < n, start + m * BLOCK_K, next_start + (m - n) * BLOCK_K)
-    if (m < n) | (m - n < next_n):
-        _issue_key_tile(k_desc, k_bufs, ready, empty, base + m, key, STAGES)
-
-
-@gluon.jit
-def _persistent_tile(k_bufs, ready, empty, kscale_ptr, g, key0, keys, q_smem, qb: gl.constexpr,
-                     zero_b, w_a, w_b, ks, ke, out_rows, part_layout: gl.constexpr,
-                     out_layout: gl.constexpr, BLOCK_K: gl.constexpr, QB: gl.constexpr,
-                     QW: gl.constexpr, H: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Persistent kernel: a warpgroup's scores over the CTA's key tile g (keys from key0) and
-    its queries' banks (q_smem buffers qb, qb + 1), stored where they are in range. (The banks'
-    views are taken here, in each loop that reads them: taken once before the block's two
-    tile loops, a block of at most STAGES - LAG tiles, which runs the second loop only, read
-    another block's queries on the H200.)"""
-    b_a = q_smem.index(qb).permute((1, 0))
-    b_b = q_smem.index(qb + 1).permute((1, 0))
-    s = g % STAGES
-    offs = key0 + keys
-    ksc = gl.load(kscale_ptr + offs)
-    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
-    score = _banks_tile(
-        k_bufs.index(s), b_a, b_b, zero_b, w_a, w_b, empty.index(s), part_layout, out_layout,
-        BLOCK_K, QB, QW, H,
-    )  # fmt: skip
-    score = score * ksc[:, None]
-    valid = (offs[:, None] >= ks[None, :]) & (offs[:, None] < ke[None, :])
-    gl.store(out_rows[None, :] + offs[:, None], score, mask=valid)
-
-
-@gluon.jit
-def _publish_block(q_desc, q_smem, qready, qempty, info, ks_ptr, ke_ptr, counter_ptr, row0,
-                   n_rows, j, SLOT: gl.constexpr, H: gl.constexpr, BLOCK_K: gl.constexpr,
-                   QUERIES: gl.constexpr, START_ALIGN: gl.constexpr,
-                   num_warps: gl.constexpr):  # fmt: skip
-    """Persistent kernel: take the CTA's block j from the launch's counter (blocks heaviest,
-    i.e. last, first; -1 once none is left), write (block, first key, tiles) to its slot
-    (SLOT = j % 2) of `info` and start its queries' TMA on `qready` (a bare arrive for -1) once
-    every warpgroup released the slot (qempty). Returns its (first key, tiles): no tiles for
-    -1."""
-    n_blocks = gl.cdiv(n_rows, QUERIES)
-    blk = n_blocks - 1 - gl.atomic_add(counter_ptr, 1, sem="relaxed")  # a ticket: no ordering
-    start, n = _block_range(
-        ks_ptr, ke_ptr, row0, n_rows, gl.maximum(blk, 0), QUERIES, BLOCK_K, START_ALIGN,
-        num_warps,
-    )  # fmt: skip
-    n = gl.where(blk >= 0, n, 0)
-    slot: gl.constexpr = SLOT
-    mbarrier.wait(qempty.index(slot), ((j // 2) & 1) ^ 1)
-    lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-    idx = gl.arange(0, 4, layout=lay)
-    info.index(slot).store(gl.where(idx == 0, blk, gl.where(idx == 1, start, n)))
-    BLOCK_Q: gl.constexpr = QUERIES * H
-    QBOX: gl.constexpr = q_desc.block_type.shape[0]  # rows a bank (q_smem's buffers)
-    BANKS: gl.constexpr = BLOCK_Q // QBOX
-    if blk >= 0:
-        mbarrier.expect(qready.index(slot), BLOCK_Q * q_desc.block_type.shape[1])
-        for c in gl.static_range(BANKS):
-            tma.async_copy_global_to_shared(
-                q_desc, [(row0 + blk * QUERIES) * H + c * QBOX, 0], qready.index(slot),
-                q_smem.index(SLOT * BANKS + c),
-            )  # fmt: skip
-    else:
-        mbarrier.arrive(qready.index(slot), count=1)
-    return start, n
-
-
-@gluon.jit
-def _warp_uniform(x):
-    """x (the same in every lane) through a shuffle from lane 0: ptxas then keeps it and what
-    is computed from it in uniform registers (the key buffers' and queries' wgmma descriptors
-    of the persistent kernel's tile loop; from a shared-memory load they took general
-    registers and R2UR moves every tile)."""
-    return gl.inline_asm_elementwise(
-        "shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [x], dtype=gl.int32, is_pure=True,
-        pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _read_info(info, slot, num_warps: gl.constexpr):
-    """Persistent kernel: (block, first key, tiles) from slot `slot` of `info`."""
-    lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-    idx = gl.arange(0, 4, layout=lay)
-    v = info.index(slot).load(lay)
-    blk = _warp_uniform(gl.sum(gl.where(idx == 0, v, 0), axis=0))
-    start = _warp_uniform(gl.sum(gl.where(idx == 1, v, 0), axis=0))
-    n = _warp_uniform(gl.sum(gl.where(idx == 2, v, 0), axis=0))
-    return blk, start, n
-
-
-@gluon.jit
-def _read_block(qready, info, j, SLOT: gl.constexpr, num_warps: gl.constexpr):
-    """Persistent kernel: (block, first key, tiles) of the CTA's block j (in slot SLOT =
-    j % 2), once its queries have landed (or -1 for none left)."""
-    mbarrier.wait(qready.index(SLOT), (j // 2) & 1)
-    return _read_info(info, SLOT, num_warps)
-
-
-@gluon.jit
-def _persistent_block(
-    q_desc, q_smem, qready, qempty, info, k_desc, k_bufs, ready, empty, counter_ptr,
-    kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, j, blk, start,
-    n, base, pre, H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr,
-    STAGES: gl.constexpr, WGI: gl.constexpr, LAG: gl.constexpr, START_ALIGN: gl.constexpr,
-    SLOT: gl.constexpr,
-):  # fmt: skip
-    """Warpgroup WGI's share of the CTA's block j (query block blk, n key tiles from key start;
-    its queries in slot SLOT = j % 2, its first tile the CTA's tile `base`; warpgroup 0 issued
-    `pre` of its tiles during the last block). Returns the next block's (blk, start, n, base,
-    pre). The slot is a compile-time constant (the caller runs blocks in pairs): with a
-    run-time slot the queries' wgmma descriptors took registers, and warpgroup 0 spilled them
-    in its tile loop (1.09-1.27x the time of the one-block-a-CTA kernel on the H200)."""
-    BLOCK_N: gl.constexpr = 128
-    QW: gl.constexpr = BLOCK_N // H
-    BN2: gl.constexpr = BLOCK_N // 2
-    QB: gl.constexpr = BN2 // H  # queries a bank
-    AHEAD: gl.constexpr = STAGES - LAG
-    NEXT: gl.constexpr = 1 - SLOT
-    bank_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN2, 32]
-    )
-    out_layout: gl.constexpr = _one_score_layout(BLOCK_K, QW)
-    part_layout: gl.constexpr = _partials_layout(BLOCK_K, QW)
-    bcols = gl.arange(0, BN2, layout=gl.SliceLayout(0, bank_layout))
-    zero_b = gl.zeros([BLOCK_K, BN2], gl.float32, bank_layout)
-    qcols = gl.arange(0, QW, layout=gl.SliceLayout(0, out_layout))
-    keys = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, out_layout))
-    if WGI == 0:
-        next_start, next_n = _publish_block(
-            q_desc, q_smem, qready, qempty, info, ks_ptr, ke_ptr, counter_ptr, row0, n_rows,
-            j + 1, NEXT, H, BLOCK_K, QUERIES, START_ALIGN, 4,
-        )  # fmt: skip
-        for m in gl.static_range(AHEAD):
-            if m >= pre:
-                _issue_stream(
-                    k_desc, k_bufs, ready, empty, base, m, start, n, next_start, next_n,
-                    BLOCK_K, STAGES,
-                )  # fmt: skip
-    q0 = blk * QUERIES + WGI * QW  # chunk-local first query of this warpgroup
-    qh0 = (row0 + q0).to(gl.int64) * H
-    n_cols = (n_rows - q0) * H
-    w_a = gl.load(wq_ptr + qh0 + bcols, mask=bcols < n_cols, other=0.0) * 0.5
-    w_b = gl.load(wq_ptr + qh0 + BN2 + bcols, mask=BN2 + bcols < n_cols, other=0.0) * 0.5
-    rows = q0 + qcols
-    row_ok = rows < n_rows
-    ks = gl.load(ks_ptr + row0 + rows, mask=row_ok, other=2147483647)
-    ke = gl.load(ke_ptr + row0 + rows, mask=row_ok, other=0)
-    out_rows = out_ptr + rows.to(gl.int64) * stride_out - col0
-    # this warpgroup's two banks of the block's queries: buffers qb and qb + 1 of q_smem
-    # (one buffer a bank: Triton 3.6 gave both banks the first's wgmma operand when they were
-    # slices of one buffer picked by a run-time index)
-    qb: gl.constexpr = SLOT * 8 + 2 * WGI  # 8 banks a block
-    # the block's tiles while warpgroup 0 issues this block's tiles, then the last AHEAD while
-    # it issues the next block's first (the next block's range read back from `info` there:
-    # kept in registers through the loop, it made ptxas spill)
-    n_main = gl.maximum(n - AHEAD, 0)
-    for i in range(n_main):
-        if WGI == 0:
-            _issue_key_tile(
-                k_desc, k_bufs, ready, empty, base + i + AHEAD, start + (i + AHEAD) * BLOCK_K,
-                STAGES,
-            )  # fmt: skip
-        _persistent_tile(
-            k_bufs, ready, empty, kscale_ptr, base + i, start + i * BLOCK_K, keys, q_smem, qb,
-            zero_b, w_a, w_b, ks, ke, out_rows, part_layout, out_layout, BLOCK_K, QB, QW, H,
-            STAGES,
-        )  # fmt: skip
-    if WGI == 0:
-        _blk, next_start, next_n = _read_info(info, NEXT, 4)
-    for i in range(n_main, n):
-        if WGI == 0:
-            _issue_stream(
-                k_desc, k_bufs, ready, empty, base, i + AHEAD, start, n, next_start, next_n,
-                BLOCK_K, STAGES,
-            )  # fmt: skip
-        _persistent_tile(
-            k_bufs, ready, empty, kscale_ptr, base + i, start + i * BLOCK_K, keys, q_smem, qb,
-            zero_b, w_a, w_b, ks, ke, out_rows, part_layout, out_layout, BLOCK_K, QB, QW, H,
-            STAGES,
-        )  # fmt: skip
-    mbarrier.arrive(qempty.index(SLOT), count=1)
-    if WGI == 0:
-        pre = gl.minimum(next_n, AHEAD)
-    nblk, nstart, nn = _read_block(qready, info, j + 1, NEXT, 4)
-    return nblk, nstart, nn, base + n, pre
-
-
-@gluon.jit
-def _persistent_consumer(
-    q_desc, q_smem, qready, qempty, info, k_desc, k_bufs, ready, empty, counter_ptr,
-    kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
-    H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    WGI: gl.constexpr, LAG: gl.constexpr, START_ALIGN: gl.constexpr,
-):  # fmt: skip
-    """Warpgroup WGI of a persistent CTA: its query columns of each block the CTA takes, over
-    the block's key tiles (the banks epilogue), blocks in pairs (slots 0 and 1 of the queries'
-    buffers). Warpgroup 0 also takes the next block from the counter when it starts a block
-    (so its queries load under this block's tiles) and keeps STAGES - LAG key tiles in flight
-    ahead of its own, across the boundary into the next block, so a CTA's tiles stream on
-    from block to block."""
-    base = 0  # the CTA's index of the block's first key tile (the ring runs on across blocks)
-    pre = 0  # warpgroup 0: tiles of the block issued during the last one
-    j = 0
-    blk, start, n = _read_block(qready, info, j, 0, 4)
-    while blk >= 0:
-        blk, start, n, base, pre = _persistent_block(
-            q_desc, q_smem, qready, qempty, info, k_desc, k_bufs, ready, empty, counter_ptr,
-            kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out, j,
-            blk, start, n, base, pre, H, BLOCK_K, QUERIES, STAGES, WGI, LAG, START_ALIGN, 0,
-        )  # fmt: skip
-        j += 1
-        if blk >= 0:
-            blk, start, n, base, pre = _persistent_block(
-                q_desc, q_smem, qready, qempty, info, k_desc, k_bufs, ready, empty,
-                counter_ptr, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0,
-                stride_out, j, blk, start, n, base, pre, H, BLOCK_K, QUERIES, STAGES, WGI, LAG,
-                START_ALIGN, 1,
-            )  # fmt: skip
-            j += 1
-
-
-@gluon.jit(do_not_specialize=["row0", "n_rows", "col0"])
-def _ws_persistent_kernel(
-    q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, counter_ptr, row0, n_rows,
-    col0, stride_out, H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr,
-    STAGES: gl.constexpr, LAG: gl.constexpr, START_ALIGN: gl.constexpr,
-    num_warps: gl.constexpr,
-):  # fmt: skip
-    """One CTA an SM: query blocks of QUERIES queries taken from a counter (zero at launch)
-    until none is left, heaviest first; the next block's queries load into the other of two
-    buffers under this block's tiles, and the key-tile ring runs on across blocks."""
-    BLOCK_Q: gl.constexpr = QUERIES * H
-    D: gl.constexpr = q_desc.block_type.shape[1]
-    # two blocks' queries, one [64 (query, head) rows, D] buffer a bank (the q TMA's box)
-    BANKS: gl.constexpr = BLOCK_Q // q_desc.block_type.shape[0]
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * BANKS, 64, D], q_desc.layout)
-    ring: gl.constexpr = [STAGES] + k_desc.block_type.shape  # noqa: RUF005 (jit code)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, ring, k_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    qempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    info = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=4)
-    for j in gl.static_range(2):
-        mbarrier.init(qready.index(j), count=1)
-        mbarrier.init(qempty.index(j), count=4)
-    _publish_block(
-        q_desc, q_smem, qready, qempty, info, ks_ptr, ke_ptr, counter_ptr, row0, n_rows, 0, 0,
-        H, BLOCK_K, QUERIES, START_ALIGN, num_warps,
-    )  # fmt: skip
-    # the partitions' arguments are spelled out in full (see _ws_logits_kernel)
-    gl.warp_specialize(
-        [
-            (_persistent_consumer, (q_desc, q_smem, qready, qempty, info, k_desc, k_bufs,
-                                    ready, empty, counter_ptr, kscale_ptr, wq_ptr, ks_ptr,
-                                    ke_ptr, out_ptr, row0, n_rows, col0, stride_out, H,
-                                    BLOCK_K, QUERIES, STAGES, 0, LAG, START_ALIGN)),
-            (_persistent_consumer, (q_desc, q_smem, qready, qempty, info, k_desc, k_bufs,
-                                    ready, empty, counter_ptr, kscale_ptr, wq_ptr, ks_ptr,
-                                    ke_ptr, out_ptr, row0, n_rows, col0, stride_out, H,
-                                    BLOCK_K, QUERIES, STAGES, 1, LAG, START_ALIGN)),
-            (_persistent_consumer, (q_desc, q_smem, qready, qempty, info, k_desc, k_bufs,
-                                    ready, empty, counter_ptr, kscale_ptr, wq_ptr, ks_ptr,
-                                    ke_ptr, out_ptr, row0, n_rows, col0, stride_out, H,
-                                    BLOCK_K, QUERIES, STAGES, 2, LAG, START_ALIGN)),
-            (_persistent_consumer, (q_desc, q_smem, qready, qempty, info, k_desc, k_bufs,
-                                    ready, empty, counter_ptr, kscale_ptr, wq_ptr, ks_ptr,
-                                    ke_ptr, out_ptr, row0, n_rows, col0, stride_out, H,
-                                    BLOCK_K, QUERIES, STAGES, 3, LAG, START_ALIGN)),
+                         H, BLOCK_K, QUERIES, STAGES, 3, LAG, EPILOGUE)),
         ],
         [4, 4, 4],
         [128, 128, 128],
@@ -667,8 +369,7 @@ def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, s
 
 def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, col0,
                      stages: int = 4, lag: int = 2, epilogue: str = "convert",
-                     start_align: int = 16, persistent: bool = False,
-                     rotate: bool = False):  # fmt: skip
+                     start_align: int = 16):  # fmt: skip
     """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128; all
     tensors on one GPU). Warpgroup 0 keeps stages - lag key tiles in flight ahead of its own.
     `epilogue` (`EPILOGUES`): "convert" stores one score a thread, "direct" the four a thread
@@ -677,43 +378,19 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     fixed config's: equal to fp32 rounding, not bitwise). A CTA's key tiles start at its
     queries' smallest ks rounded down to `start_align` keys (16, or 64: whole key tiles as the
     Triton kernel's): a packed row's documents start anywhere, and 16 saves 24 keys of the
-    first tile on average; every score is computed alike either way (bitwise the same).
-    `persistent` (banks only): one CTA an SM takes query blocks from a counter until none is
-    left (`_ws_persistent_kernel`), bitwise the scores of the one-block-a-CTA kernel.
-    `rotate` (one block a CTA): warpgroup i % 4 issues the key tile of step i, not warpgroup 0
-    at every step (bitwise the same scores)."""
+    first tile on average; every score is computed alike either way (bitwise the same)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"launch_logits_ws: epilogue={epilogue!r}: one of {list(EPILOGUES)}")
     if start_align not in (16, BLOCK_K):
         raise ValueError(f"launch_logits_ws: start_align={start_align}: 16 or {BLOCK_K}")
-    if persistent and epilogue != "banks":
-        raise ValueError(
-            f"launch_logits_ws: persistent=True runs the banks epilogue, not {epilogue!r}"
-        )
     _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
     if n_rows <= 0:
         return None
     queries = queries_per_cta(heads)
     qbox = min(queries * heads, 256)
-    k_desc = _desc(k8, [BLOCK_K, k8.shape[1]])
-    if persistent:  # the q TMA's box is one bank: 64 (query, head) rows
-        n_blocks = triton.cdiv(n_rows, queries)
-        counter = torch.zeros(1, dtype=torch.int32, device=q8.device)
-        return _ws_persistent_kernel[(min(n_blocks, _sm_count(q8.device)),)](
-            _desc(q8, [BLOCK_N // 2, q8.shape[1]]), k_desc, k_scale, wq, ks, ke, out, counter,
-            row0, n_rows, col0, out.stride(0),
-            H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
-            START_ALIGN=start_align, num_warps=4, maxnreg=128,
-        )  # fmt: skip
     return _ws_logits_kernel[(triton.cdiv(n_rows, queries),)](
-        _desc(q8, [qbox, q8.shape[1]]), k_desc, k_scale, wq, ks, ke, out, row0, n_rows, col0,
-        out.stride(0),
+        _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
+        k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
         H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
-        EPILOGUE=EPILOGUES[epilogue], START_ALIGN=start_align, ROTATE=rotate, num_warps=4,
-        maxnreg=128,
+        EPILOGUE=EPILOGUES[epilogue], START_ALIGN=start_align, num_warps=4, maxnreg=128,
     )  # fmt: skip
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -300,7 +300,7 @@ def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
         for kw in (
             {}, {"epilogue": "direct"}, {"stages": 3, "lag": 1}, {"epilogue": "banks"},
             {"epilogue": "banks", "stages": 3, "lag": 1}, {"start_align": 64},
-            {"epilogue": "banks", "start_align": 64}, {"epilogue": "banks", "persistent": True},
+            {"epilogue": "banks", "start_align": 64},
         ):  # fmt: skip
             runs = []
             for _ in range(3):
@@ -320,42 +320,10 @@ def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
                 assert diff <= 1e-5, (row0, kw, diff)
                 assert torch.equal(runs[-1], runs[0]), (row0, kw)
             if kw.get("epilogue") == "banks" and "stages" not in kw:
-                banks[kw.get("start_align", 16), kw.get("persistent", False)] = runs[0]
+                banks[kw.get("start_align", 16)] = runs[0]
         # key tiles from a document's start rounded to 16 keys or to whole 64-key tiles (the
-        # documents here start at 1200, 1237, 3285, 3785), one block a CTA or one CTA an SM
-        # over many (4096 rows at 64 heads: 512 blocks): every score computed alike
-        assert torch.equal(banks[16, False], banks[64, False]), row0
-        assert torch.equal(banks[16, False], banks[16, True]), row0
-
-
-@pytest.mark.parametrize("heads", [64, 32])
-def test_persistent_warp_specialised_kernel_takes_every_block_once(heads: int) -> None:
-    # the persistent form (one CTA an SM, blocks from a counter, the next block's queries and
-    # first key tiles loaded under this one's) against the one-block-a-CTA banks kernel,
-    # bitwise: rows with no keys at all (whole blocks of zero key tiles), blocks of one tile,
-    # 1-3 blocks a CTA and a launch with fewer blocks than SMs (some CTAs find none left)
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the warp-specialised logits kernel is sm_90 only")
-    from kernels.logits_ws import launch_logits_ws
-
-    ks, ke = packed_ranges([900, 5, 17, 1100, 1000, 1074])
-    ke[1000:1400] = ks[1000:1400]  # no keys: whole query blocks without a key tile
-    q, k, w = random_inputs(4096, heads, 128, seed=21, device="cuda")
-    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
-    for row0, n_rows in ((0, 4096), (905, 344), (900, 40)):
-        col0 = int(ks[row0 : row0 + n_rows].min()) // 16 * 16
-        outs = []
-        for persistent in (False, True, True, True):
-            out = torch.full((n_rows, p.k8.shape[0] - col0), float("nan"), device="cuda")
-            launch_logits_ws(
-                p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out, heads=heads, row0=row0,
-                n_rows=n_rows, col0=col0, stages=4, lag=1, epilogue="banks",
-                persistent=persistent,
-            )  # fmt: skip
-            outs.append(out.view(torch.int32))
-        assert (~outs[0].view(torch.float32).isnan()).any(), row0
-        for got in outs[1:]:
-            assert torch.equal(got, outs[0]), (row0, n_rows)
+        # documents here start at 1200, 1237, 3285, 3785): every score computed alike
+        assert torch.equal(banks[16], banks[64]), row0
 
 
 def _ws_row(seed: int):
