@@ -194,7 +194,7 @@ def launch_identity(p: PreparedInputs, cfg: LogitsConfig) -> tuple:
     for r0, r1, col0, _ in chunk_plan(p):
         n = r1 - r0
         if cfg.runs_warp_specialised(p.q8, p.k8, p.heads, n, col0):
-            kinds.append(("ws", *sorted(WS_LAUNCH.items())))
+            kinds.append(("ws", *sorted(WS_LAUNCH[p.heads].items())))
             continue
         grid, meta, options = triton_launch(cfg, p.heads, n, p.k8.shape[0])
         kinds.append(("triton", grid, *sorted(meta.items()), *sorted(options.items())))

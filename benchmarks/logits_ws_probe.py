@@ -51,24 +51,26 @@ TRITON_FIXED = V11_LOGITS_CONFIG
 TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
 FIXED_NAME = f"fixed, Triton ({TRITON_FIXED.label})"
 # launch_logits_ws's keyword arguments of each variant: the key-tile ring (stages, lag), the
-# epilogue (`kernels.logits_ws.EPILOGUES`) and where a CTA's key tiles start (16 keys or whole
-# tiles)
+# epilogue (`kernels.logits_ws.EPILOGUES`), where a CTA's key tiles start (16 keys or whole
+# tiles) and the registers of warpgroups 1-3 (`worker_regs`; the fixed path's: `WS_LAUNCH`)
 _BANKS = {"stages": 4, "lag": 1, "epilogue": "banks", "start_align": 16}
-WS_VARIANTS = (_BANKS, {**_BANKS, "start_align": 64})
+WS_VARIANTS = (_BANKS, {**_BANKS, "worker_regs": 120})
 SHAPES = (
     (64, 16384, False),
-    (64, 32768, False),
     (64, 65536, False),
-    (64, 131072, False),
     (64, 16384, True),
-    (64, 32768, True),
-    (64, 65536, True),
     (64, 131072, True),
-    (64, 8192, False),
     (64, 8192, True),
-    (64, 4096, False),
-    (64, 4096, True),
+    (32, 8192, False),
     (32, 16384, False),
+    (32, 32768, False),
+    (32, 65536, False),
+    (32, 131072, False),
+    (32, 8192, True),
+    (32, 16384, True),
+    (32, 32768, True),
+    (32, 65536, True),
+    (32, 131072, True),
 )
 ROUNDS = 7
 # a variant that sums in another order than the fixed config (banks) differs from it by fp32
@@ -77,7 +79,8 @@ MAX_REL_DIFF = 1e-5
 
 
 def ws_name(v: dict) -> str:
-    return f"ws s{v['stages']}/lag{v['lag']}/{v['epilogue']}/start{v['start_align']}"
+    name = f"ws s{v['stages']}/lag{v['lag']}/{v['epilogue']}/start{v['start_align']}"
+    return name + (f"/regs{v['worker_regs']}" if v.get("worker_regs", 128) != 128 else "")
 
 
 def ws_launch(p, out, r0: int, r1: int, col0: int, v: dict) -> None:

@@ -104,16 +104,18 @@ class LogitsConfig:
     Multi-block programs halve the grid, which small launches cannot fill (H = 64, 4K rows:
     1024 programs for 132 SMs, 1.01-1.15x slower than one block a program in v10's and v11's
     H200 runs). None: every launch runs the config as it is.
-    `ws_min_scores`: H = 64 launches of at least this many scores (rows x all padded keys) run
-    the warp-specialised Gluon kernel instead (`kernels.logits_ws`, "banks" epilogue: four
-    warpgroups a CTA over shared TMA key tiles, each splitting its 128 columns into two wgmmas
-    and summing the first's heads while the second runs) on an sm_90 GPU whose Triton has
-    Gluon (`runs_warp_specialised`); elsewhere the Triton kernel. It sums a thread's heads in
-    another order: scores equal to fp32 rounding, not bitwise, across the threshold and across
-    GPU kinds (bitwise the same from call to call on one kind). 0.94-1.00 of the Triton
-    kernel's time from 16K rows x 16K keys in v13's H200 probes (0.96-1.00 in its final runs),
-    1.03-1.04 at 8K packed rows, 1.6-1.8 at 4K (v13 in docs/KERNELS.md). None: the Triton
-    kernel everywhere.
+    `ws_min_scores`: launches (H = 64 or 32) of at least this many scores (rows x all padded
+    keys) run the warp-specialised Gluon kernel instead (`kernels.logits_ws`, "banks"
+    epilogue: four warpgroups a CTA over shared TMA key tiles, each splitting its 128 columns
+    into two wgmmas and summing the first's heads while the second runs; `WS_LAUNCH` per head
+    count) on an sm_90 GPU whose Triton has Gluon (`runs_warp_specialised`); elsewhere the
+    Triton kernel. It sums a thread's heads in another order: scores equal to fp32 rounding,
+    not bitwise, across the threshold and across GPU kinds (bitwise the same from call to call
+    on one kind). At H = 64: 0.94-1.00 of the Triton kernel's time from 16K rows x 16K keys in
+    v13's H200 probes (0.96-1.00 in its final runs), 1.03-1.04 at 8K packed rows, 1.6-1.8 at
+    4K (v13 in docs/KERNELS.md). At H = 32, with 120 registers for warpgroups 1-3 (v14):
+    0.90-0.98 from 16K rows (0.94-0.98 at 8K rows, under the fixed threshold). None: the
+    Triton kernel everywhere.
     """
 
     block_n: int = 128
@@ -247,13 +249,14 @@ class LogitsConfig:
     def runs_warp_specialised(self, q8: torch.Tensor, k8: torch.Tensor, heads: int,
                               n_rows: int, col0: int) -> bool:  # fmt: skip
         """Whether a launch runs `kernels.logits_ws` (banks epilogue) instead of the Triton
-        kernel: at least `ws_min_scores` scores (rows x all padded keys) at 64 heads, D = 128,
+        kernel: at least `ws_min_scores` scores (rows x all padded keys) at 64 or 32 heads
+        (`WS_LAUNCH`), D = 128,
         contiguous q8 and k8, keys padded to 64, col0 a multiple of 16, on an sm_90 GPU whose
         Triton has Gluon's Hopper warp specialisation (not under TRITON_INTERPRET). Every other
         launch runs the config's Triton kernel."""
         return (
             self.ws_min_scores is not None
-            and heads == 64
+            and heads in WS_LAUNCH
             and n_rows * k8.shape[0] >= self.ws_min_scores
             and q8.is_cuda
             and q8.shape[1] == 128
@@ -551,7 +554,7 @@ def launch_logits(
 
         return launch_logits_ws(
             q8, wq, k8, k_scale, ks, ke, out, heads=heads, row0=row0, n_rows=n_rows,
-            col0=col0, **WS_LAUNCH,
+            col0=col0, **WS_LAUNCH[heads],
         )  # fmt: skip
     grid, meta, options = triton_launch(config, heads, n_rows, s_k)
     return _indexer_logits_kernel[grid](
@@ -574,8 +577,14 @@ def launch_logits(
     )
 
 
-# the warp-specialised kernel's launch in the fixed path (`launch_logits`)
-WS_LAUNCH = {"stages": 4, "lag": 1, "epilogue": "banks"}
+# the warp-specialised kernel's launch in the fixed path (`launch_logits`), by head count: at
+# H = 32 warpgroups 1-3 take 120 registers a thread and the producer 152 (128 spilled there;
+# 0.90-0.98 of the Triton kernel's time from 8K rows instead of 1.04-1.26, v14); at H = 64 the
+# split is within 1% either way and v13's 128 stays
+WS_LAUNCH = {
+    64: {"stages": 4, "lag": 1, "epilogue": "banks", "worker_regs": 128},
+    32: {"stages": 4, "lag": 1, "epilogue": "banks", "worker_regs": 120},
+}
 
 
 def triton_launch(

@@ -1,5 +1,5 @@
-"""The warp-specialised logits kernel (Gluon, sm_90 only): the fixed config's H = 64 launches
-of 2^28 scores and more (`LogitsConfig.ws_min_scores`, v13).
+"""The warp-specialised logits kernel (Gluon, sm_90 only): the fixed config's launches of 2^28
+scores and more (`LogitsConfig.ws_min_scores`; H = 64 since v13, H = 32 since v14).
 
 The same scores as `kernels.logits` (`score[t, s] = k_scale[s] * sum_h wq[t, h] *
 relu(q8[t, h] . k8[s])`, written in range only, same operands and output rules), computed by
@@ -30,7 +30,9 @@ one CTA of four warpgroups that share every key tile:
 Measured on the H200 (`benchmarks/logits_ws_probe.py`, v12 and v13 in docs/KERNELS.md),
 against the Triton fixed config in the same run: the banks (4 stages, lag 1) 0.94-0.99 on H=64
 causal rows from 8K keys, 0.96-1.02 on packed rows from 16K, 1.03-1.04 on 8K packed rows and
-1.6-1.8 on 4K packed ones; 1.13-1.14 at H = 32 (which keeps the Triton kernel). Nsight Compute
+1.6-1.8 on 4K packed ones; 1.13-1.14 at H = 32 with 128 registers a thread, where ptxas
+spills; with 120 for warpgroups 1-3 and 152 for warpgroup 0 (`worker_regs`, v14) nothing
+spills and H = 32 takes 0.90-0.98 of the Triton config's time from 8K rows. Nsight Compute
 at 16K causal, H = 64: tensor pipe 59% (Triton 58%, "convert" 56%), 8.3 cycles between a warp's
 instructions with 16 warps. v12's "convert": 0.97-0.99 at H = 64 128K, 0.88-1.01 on H = 32
 causal rows, up to 8% slower elsewhere. A persistent form, two warpgroups a CTA (3-10%
@@ -209,6 +211,8 @@ def _consumer(
         b_a = q_smem.slice(WGI * BLOCK_N, BN2).permute((1, 0))
         b_b = q_smem.slice(WGI * BLOCK_N + BN2, BN2).permute((1, 0))
         part_layout: gl.constexpr = _partials_layout(BLOCK_K, QW)
+    # a warpgroup whose queries are all past n_rows (the last CTA) still runs every tile: the
+    # ring's `empty` barriers count one arrive from each of the four warpgroups
     # the queries' TMA has landed (the CTA's first warps waited before the partitions began;
     # this wait makes each partition's own ordering explicit and costs one completed-phase test)
     mbarrier.wait(qbar, 0)
@@ -249,7 +253,7 @@ def _ws_logits_kernel(
     q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
     LAG: gl.constexpr, EPILOGUE: gl.constexpr, START_ALIGN: gl.constexpr,
-    num_warps: gl.constexpr,
+    WREGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One CTA: QUERIES queries (heaviest first), four warpgroups over [min ks, max ke)."""
     blk = gl.cdiv(n_rows, QUERIES) - 1 - gl.program_id(0)
@@ -294,7 +298,9 @@ def _ws_logits_kernel(
                          H, BLOCK_K, QUERIES, STAGES, 3, LAG, EPILOGUE)),
         ],
         [4, 4, 4],
-        [128, 128, 128],
+        # registers a thread of warpgroups 1-3; the default partition (warpgroup 0) gets the
+        # rest of the register file (152 for 120: the producer's tile loop then does not spill)
+        [WREGS, WREGS, WREGS],
     )  # fmt: skip
 
 
@@ -369,7 +375,7 @@ def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, s
 
 def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, col0,
                      stages: int = 4, lag: int = 2, epilogue: str = "convert",
-                     start_align: int = 16):  # fmt: skip
+                     start_align: int = 16, worker_regs: int = 128):  # fmt: skip
     """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128; all
     tensors on one GPU). Warpgroup 0 keeps stages - lag key tiles in flight ahead of its own.
     `epilogue` (`EPILOGUES`): "convert" stores one score a thread, "direct" the four a thread
@@ -378,11 +384,15 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     fixed config's: equal to fp32 rounding, not bitwise). A CTA's key tiles start at its
     queries' smallest ks rounded down to `start_align` keys (16, or 64: whole key tiles as the
     Triton kernel's): a packed row's documents start anywhere, and 16 saves 24 keys of the
-    first tile on average; every score is computed alike either way (bitwise the same)."""
+    first tile on average; every score is computed alike either way (bitwise the same).
+    `worker_regs`: registers a thread of warpgroups 1-3, 120 or 128 (warpgroup 0, the
+    producer, gets the rest of the register file: 152 for 120; bitwise the same scores)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"launch_logits_ws: epilogue={epilogue!r}: one of {list(EPILOGUES)}")
     if start_align not in (16, BLOCK_K):
         raise ValueError(f"launch_logits_ws: start_align={start_align}: 16 or {BLOCK_K}")
+    if worker_regs not in (120, 128):  # what the H200 runs measured (v14)
+        raise ValueError(f"launch_logits_ws: worker_regs={worker_regs}: 120 or 128")
     _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
     if n_rows <= 0:
         return None
@@ -392,5 +402,6 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
         _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
         k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
         H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
-        EPILOGUE=EPILOGUES[epilogue], START_ALIGN=start_align, num_warps=4, maxnreg=128,
+        EPILOGUE=EPILOGUES[epilogue], START_ALIGN=start_align, WREGS=worker_regs,
+        num_warps=4, maxnreg=128,
     )  # fmt: skip

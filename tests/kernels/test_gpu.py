@@ -300,7 +300,7 @@ def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
         for kw in (
             {}, {"epilogue": "direct"}, {"stages": 3, "lag": 1}, {"epilogue": "banks"},
             {"epilogue": "banks", "stages": 3, "lag": 1}, {"start_align": 64},
-            {"epilogue": "banks", "start_align": 64},
+            {"epilogue": "banks", "start_align": 64}, {"epilogue": "banks", "worker_regs": 120},
         ):  # fmt: skip
             runs = []
             for _ in range(3):
@@ -320,40 +320,44 @@ def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
                 assert diff <= 1e-5, (row0, kw, diff)
                 assert torch.equal(runs[-1], runs[0]), (row0, kw)
             if kw.get("epilogue") == "banks" and "stages" not in kw:
-                banks[kw.get("start_align", 16)] = runs[0]
+                banks[kw.get("start_align", 16), kw.get("worker_regs", 128)] = runs[0]
         # key tiles from a document's start rounded to 16 keys or to whole 64-key tiles (the
-        # documents here start at 1200, 1237, 3285, 3785): every score computed alike
-        assert torch.equal(banks[16], banks[64]), row0
+        # documents here start at 1200, 1237, 3285, 3785), 120 or 128 registers for
+        # warpgroups 1-3: every score computed alike
+        assert torch.equal(banks[16, 128], banks[64, 128]), row0
+        assert torch.equal(banks[16, 128], banks[16, 120]), row0
 
 
-def _ws_row(seed: int):
-    """A prepared 16K-token packed row at 64 heads (16K x 16K = 2^28 scores: the fixed config's
+def _ws_row(seed: int, heads: int = 64):
+    """A prepared 16K-token packed row (16K x 16K = 2^28 scores: the fixed config's
     warp-specialised threshold) and its ks, ke on the host; skips off sm_90."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised logits kernel is sm_90 only")
     ks, ke = packed_ranges([7000, 5000, 4384])
-    q, k, w = random_inputs(16384, 64, 128, seed=seed, device="cuda")
+    q, k, w = random_inputs(16384, heads, 128, seed=seed, device="cuda")
     return prepare_inputs(q, k, w, ks.cuda(), ke.cuda()), ks, ke
 
 
-def test_fixed_config_runs_the_warp_specialised_kernel_from_2_28_scores() -> None:
-    # v13: on sm_90, H=64 launches of 2^28 scores and more (rows x padded keys) run
-    # kernels.logits_ws with the banks epilogue: the Triton kernel's scores to fp32 rounding,
-    # in the same places, bitwise from launch to launch; smaller launches, 32 heads or a
-    # config without the threshold run the Triton kernel
-    p, ks, ke = _ws_row(seed=13)
+@pytest.mark.parametrize("heads", [64, 32])
+def test_fixed_config_runs_the_warp_specialised_kernel_from_2_28_scores(heads: int) -> None:
+    # v13 (H=64), v14 (H=32, 120 registers for warpgroups 1-3): on sm_90, launches of 2^28
+    # scores and more (rows x padded keys) run kernels.logits_ws with the banks epilogue: the
+    # Triton kernel's scores to fp32 rounding, in the same places, bitwise from launch to
+    # launch; smaller launches, other head counts or a config without the threshold run the
+    # Triton kernel
+    p, ks, ke = _ws_row(seed=13, heads=heads)
     s = p.s_q
     fixed, triton_only = FIXED_LOGITS_CONFIG, dataclasses.replace(V10, group_min_scores=1 << 25)
-    assert fixed.runs_warp_specialised(p.q8, p.k8, 64, s, 0)
-    assert not fixed.runs_warp_specialised(p.q8, p.k8, 64, s // 2, 0)
-    assert not fixed.runs_warp_specialised(p.q8, p.k8, 32, s, 0)
-    assert not triton_only.runs_warp_specialised(p.q8, p.k8, 64, s, 0)
+    assert fixed.runs_warp_specialised(p.q8, p.k8, heads, s, 0)
+    assert not fixed.runs_warp_specialised(p.q8, p.k8, heads, s // 2, 0)
+    assert not fixed.runs_warp_specialised(p.q8, p.k8, 16, s, 0)
+    assert not triton_only.runs_warp_specialised(p.q8, p.k8, heads, s, 0)
     outs, names = [], []
     for c in (fixed, fixed, triton_only):
         out = torch.full((s, p.k8.shape[0]), float("nan"), device="cuda")
         kern = launch_logits(
             p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
-            heads=64, row0=0, n_rows=s, col0=0, config=c,
+            heads=heads, row0=0, n_rows=s, col0=0, config=c,
         )  # fmt: skip
         outs.append(out)
         names.append(kern.name)
