@@ -42,9 +42,10 @@ the first key tiles issued before the partitions start and the key tile in regis
 both banks (register-A wgmma) were all slower and are gone. v14 (docs/KERNELS.md): a persistent
 banks kernel with blocks from an atomic counter (bitwise these scores; 1.03-1.08x this kernel's
 time from 16K at H=64: its tile loop is heavier and a block change costs more than a CTA
-launch), the first key tiles issued under the queries' TMA (1.04-1.13x: warpgroup 0 spills) and
-the producer's work rotated over the four warpgroups (within 1% at H=64): gone too; the
-persistent kernel is in the commit before their removal.
+launch), the first key tiles issued under the queries' TMA (1.04-1.13x at 128 registers, where
+warpgroup 0 spills; a wash over the shapes with the register split) and the producer's work
+rotated over the four warpgroups (within 1% at H=64): gone too; the persistent kernel is in
+commit 1a8c3bc.
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
 with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU;
@@ -211,8 +212,6 @@ def _consumer(
         b_a = q_smem.slice(WGI * BLOCK_N, BN2).permute((1, 0))
         b_b = q_smem.slice(WGI * BLOCK_N + BN2, BN2).permute((1, 0))
         part_layout: gl.constexpr = _partials_layout(BLOCK_K, QW)
-    # a warpgroup whose queries are all past n_rows (the last CTA) still runs every tile: the
-    # ring's `empty` barriers count one arrive from each of the four warpgroups
     # the queries' TMA has landed (the CTA's first warps waited before the partitions began;
     # this wait makes each partition's own ordering explicit and costs one completed-phase test)
     mbarrier.wait(qbar, 0)
