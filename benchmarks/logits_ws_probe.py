@@ -5,10 +5,11 @@
 `kernels.logits_ws` runs four warpgroups a CTA over shared TMA key tiles, with mbarriers
 instead of the Triton kernel's per-tile CTA barrier (16 warps an SM instead of 12). At each
 shape, all chunks of a topk call's logits launches, interleaved (shuffled rounds) with the fixed
-config (`time_interleaved`, medians), for a few (stages, lag) of the key-tile ring. Before
-timing, each variant's scores are compared with the fixed config's chunk by chunk: the same
-positions written (and some written), the largest difference relative to the row's largest
-score, and two runs of the variant bitwise equal. Writes logits_ws_probe.json and .md under --out;
+config's Triton kernel (`time_interleaved`, medians), for variants of the fixed path's WS
+launch (`WS_VARIANTS`). Before timing, each variant's scores are compared with the Triton
+kernel's chunk by chunk: the same positions written (and some written), the largest difference
+relative to the row's largest score, bitwise equality with the first variant, and two runs of
+the variant bitwise equal. Writes logits_ws_probe.json and .md under --out;
 `--append-results FILE` appends the markdown to benchmarks/RESULTS.md.
 """
 
@@ -42,7 +43,7 @@ from benchmarks.bench_indexer import (
 from benchmarks.indexer_final import shape_name, time_interleaved
 from benchmarks.indexer_peers import V11_LOGITS_CONFIG
 from kernels.fp8_indexer import prepare_inputs
-from kernels.logits import launch_logits
+from kernels.logits import WS_LAUNCH, launch_logits
 
 # the fixed config's Triton kernel: the fixed config itself runs the warp-specialised kernel
 # for H = 64 launches from 2^28 scores on sm_90 (v13)
@@ -50,26 +51,26 @@ TRITON_FIXED = V11_LOGITS_CONFIG
 
 TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
 FIXED_NAME = f"fixed, Triton ({TRITON_FIXED.label})"
-# launch_logits_ws's keyword arguments of each variant: the key-tile ring (stages, lag), the
-# epilogue (`kernels.logits_ws.EPILOGUES`), where a CTA's key tiles start (16 keys or whole
-# tiles) and the registers of warpgroups 1-3 (`worker_regs`; the fixed path's: `WS_LAUNCH`)
-_BANKS = {"stages": 4, "lag": 1, "epilogue": "banks", "start_align": 16}
-WS_VARIANTS = (_BANKS, {**_BANKS, "worker_regs": 120})
+# each variant: launch_logits_ws keyword arguments over the fixed path's WS launch at the shape's
+# head count (`kernels.logits.WS_LAUNCH`): {} is the fixed path's own launch; v14c's candidates
+# (`uniform_ranges`, `early_tiles`) follow
+WS_VARIANTS = ({}, {"uniform_ranges": True}, {"uniform_ranges": True, "early_tiles": True})
 SHAPES = (
     (64, 16384, False),
+    (64, 32768, False),
     (64, 65536, False),
+    (64, 131072, False),
     (64, 16384, True),
+    (64, 32768, True),
+    (64, 65536, True),
     (64, 131072, True),
+    (64, 8192, False),
     (64, 8192, True),
-    (32, 8192, False),
+    (64, 4096, False),
+    (64, 4096, True),
     (32, 16384, False),
-    (32, 32768, False),
-    (32, 65536, False),
-    (32, 131072, False),
-    (32, 8192, True),
     (32, 16384, True),
-    (32, 32768, True),
-    (32, 65536, True),
+    (32, 65536, False),
     (32, 131072, True),
 )
 ROUNDS = 7
@@ -79,8 +80,7 @@ MAX_REL_DIFF = 1e-5
 
 
 def ws_name(v: dict) -> str:
-    name = f"ws s{v['stages']}/lag{v['lag']}/{v['epilogue']}/start{v['start_align']}"
-    return name + (f"/regs{v['worker_regs']}" if v.get("worker_regs", 128) != 128 else "")
+    return "ws, fixed launch" + "".join(f"/{k}={val}" for k, val in v.items())
 
 
 def ws_launch(p, out, r0: int, r1: int, col0: int, v: dict) -> None:
@@ -88,7 +88,7 @@ def ws_launch(p, out, r0: int, r1: int, col0: int, v: dict) -> None:
 
     launch_logits_ws(
         p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
-        heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, **v,
+        heads=p.heads, row0=r0, n_rows=r1 - r0, col0=col0, **{**WS_LAUNCH[p.heads], **v},
     )  # fmt: skip
 
 
@@ -245,7 +245,7 @@ def markdown(res: dict) -> str:
 
 def profile(which: str) -> None:
     """Two launches at 16K causal, H = 64 of the fixed config or `ws` (s4/lag1/convert) or
-    `banks` (s4/lag1/banks), for
+    `banks` (the fixed path's WS launch), for
     `ncu --launch-skip 1 --launch-count 1`."""
     ks, ke = row_ranges(16384, packed=False)
     q, k, w = random_row(16384, 64, seed=1)
@@ -254,7 +254,7 @@ def profile(which: str) -> None:
     if which == "fixed":
         run = logits_runner(p, TRITON_FIXED, buf)
     else:
-        run = ws_runner(p, buf, {**_BANKS, "epilogue": "convert" if which == "ws" else "banks"})
+        run = ws_runner(p, buf, {"epilogue": "convert"} if which == "ws" else {})
     for _ in range(2):
         run()
     torch.cuda.synchronize()

@@ -93,9 +93,10 @@ def _bin(tool: str) -> str:
     return str(path)
 
 
-def compile_ws(heads: int, worker_regs: int):
+def compile_ws(heads: int, worker_regs: int, **flags: bool):
     """Triton's compiled `_ws_logits_kernel` for sm_90a: the fixed path's launch at `heads`
-    (`WS_LAUNCH`) with warpgroups 1-3 at `worker_regs` registers."""
+    (`WS_LAUNCH`) with warpgroups 1-3 at `worker_regs` registers; `flags` sets the launcher's
+    `uniform_ranges` and `early_tiles`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -103,7 +104,8 @@ def compile_ws(heads: int, worker_regs: int):
     from kernels import logits_ws as ws
     from kernels.logits import WS_LAUNCH
 
-    launch = {**WS_LAUNCH[heads], "worker_regs": worker_regs}
+    launch = {"uniform_ranges": False, "early_tiles": False, **WS_LAUNCH[heads],
+              "worker_regs": worker_regs, **flags}  # fmt: skip
     queries = ws.queries_per_cta(heads)
 
     def desc(rows: int) -> str:
@@ -118,7 +120,8 @@ def compile_ws(heads: int, worker_regs: int):
     constants = {
         "H": heads, "BLOCK_K": ws.BLOCK_K, "QUERIES": queries, "STAGES": launch["stages"],
         "LAG": launch["lag"], "EPILOGUE": ws.EPILOGUES[launch["epilogue"]], "START_ALIGN": 16,
-        "WREGS": launch["worker_regs"], "num_warps": 4,
+        "WREGS": launch["worker_regs"], "UNIFORM": launch["uniform_ranges"],
+        "EARLY": launch["early_tiles"], "num_warps": 4,
     }  # fmt: skip
     names = [p.name for p in ws._ws_logits_kernel.params]
     unknown = set(names) - set(types) - set(constants)
@@ -132,9 +135,9 @@ def compile_ws(heads: int, worker_regs: int):
     )
 
 
-def inspect(heads: int, worker_regs: int, out: Path | None) -> dict:
+def inspect(heads: int, worker_regs: int, out: Path | None, **flags: bool) -> dict:
     """Shared memory, ptxas's counts and the tile loops of one compile."""
-    compiled = compile_ws(heads, worker_regs)
+    compiled = compile_ws(heads, worker_regs, **flags)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx.write_text(compiled.asm["ptx"])
@@ -150,6 +153,7 @@ def inspect(heads: int, worker_regs: int, out: Path | None) -> dict:
     res = {
         "heads": heads,
         "worker_regs": worker_regs,
+        **flags,
         "shared_bytes": compiled.metadata.shared,
         "registers": int(regs.group(1)) if regs else None,
         "spill_store_bytes": int(spills.group(1)) if spills else 0,
@@ -158,7 +162,7 @@ def inspect(heads: int, worker_regs: int, out: Path | None) -> dict:
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"ws_h{heads}_r{worker_regs}"
+        stem = f"ws_h{heads}_r{worker_regs}" + "".join(f"_{k}" for k, v in flags.items() if v)
         (out / f"{stem}.ptx").write_text(compiled.asm["ptx"])
         (out / f"{stem}.sass").write_text(sass)
     return res
@@ -168,16 +172,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--heads", type=int, nargs="+", default=[64, 32])
     ap.add_argument("--worker-regs", type=int, nargs="+", default=[128, 120])
+    ap.add_argument("--uniform-ranges", action="store_true", help="launcher's uniform_ranges")
+    ap.add_argument("--early-tiles", action="store_true", help="launcher's early_tiles")
     ap.add_argument("--out", type=Path, default=None, help="write ws_sass.json, PTX and SASS here")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # a compile, not the interpreter
+    flags = {"uniform_ranges": args.uniform_ranges, "early_tiles": args.early_tiles}
     results = []
     for heads in args.heads:
         for regs in args.worker_regs:
-            r = inspect(heads, regs, args.out)
+            r = inspect(heads, regs, args.out, **flags)
             results.append(r)
             print(
-                f"H={heads} worker_regs={regs}: shared {r['shared_bytes']} B, "
+                f"H={heads} worker_regs={regs} {flags}: shared {r['shared_bytes']} B, "
                 f"{r['registers']} registers, spills {r['spill_store_bytes']} B stored / "
                 f"{r['spill_load_bytes']} B loaded"
             )

@@ -42,10 +42,12 @@ the first key tiles issued before the partitions start and the key tile in regis
 both banks (register-A wgmma) were all slower and are gone. v14 (docs/KERNELS.md): a persistent
 banks kernel with blocks from an atomic counter (bitwise these scores; 1.03-1.08x this kernel's
 time from 16K at H=64: its tile loop is heavier and a block change costs more than a CTA
-launch), the first key tiles issued under the queries' TMA (1.04-1.13x at 128 registers, where
-warpgroup 0 spills; a wash over the shapes with the register split) and the producer's work
-rotated over the four warpgroups (within 1% at H=64): gone too; the persistent kernel is in
-commit 1a8c3bc.
+launch) and the producer's work rotated over the four warpgroups (within 1% at H=64): gone
+too; the persistent kernel is in commit 1a8c3bc. The first key tiles issued under the queries'
+TMA were 1.04-1.13x at 128 registers, where warpgroup 0 spills, and a wash with the register
+split; v14c offers them again (`early_tiles`) together with a warp-uniform key range
+(`uniform_ranges`, which removes the spills and 15 instructions a tile from warpgroup 0's
+loop): compiled and checked on a CPU, not yet timed.
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
 with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU;
@@ -167,11 +169,25 @@ def _block_range(ks_ptr, ke_ptr, row0, n_rows, blk, QUERIES: gl.constexpr,
 
 
 @gluon.jit
+def _warp_uniform(x):
+    """x (the same in every lane) through a shuffle from lane 0. ptxas cannot tell that a value
+    the partitions receive from the kernel's first warps is the same in every lane; after the
+    shuffle it keeps what the tile loop computes from it (key offsets, ring indices, the TMA
+    coordinates) in uniform registers: warpgroup 0's loop 230-231 SASS instructions a tile
+    instead of 244-246, and no spills at 128 registers (`benchmarks/ws_sass.py`, v14c)."""
+    return gl.inline_asm_elementwise(
+        "shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [x], dtype=gl.int32, is_pure=True,
+        pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _consumer(
     q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr,
     row0, n_rows, col0, stride_out, blk, start, n_tiles,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
-    WGI: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr,
+    WGI: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr, UNIFORM: gl.constexpr,
+    EARLY: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup WGI: its query block's scores over the CTA's key tiles."""
     BLOCK_N: gl.constexpr = 128
@@ -212,14 +228,25 @@ def _consumer(
         b_a = q_smem.slice(WGI * BLOCK_N, BN2).permute((1, 0))
         b_b = q_smem.slice(WGI * BLOCK_N + BN2, BN2).permute((1, 0))
         part_layout: gl.constexpr = _partials_layout(BLOCK_K, QW)
-    # the queries' TMA has landed (the CTA's first warps waited before the partitions began;
-    # this wait makes each partition's own ordering explicit and costs one completed-phase test)
-    mbarrier.wait(qbar, 0)
+    if UNIFORM:
+        start = _warp_uniform(start)
+        n_tiles = _warp_uniform(n_tiles)
     # a warpgroup whose queries are all past n_rows (the last CTA) still runs every tile: the
     # ring's `empty` barriers count one arrive from each of the four warpgroups
-    if WGI == 0:
-        for j in gl.static_range(STAGES - LAG):
-            _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles, BLOCK_K, STAGES)
+    if EARLY:
+        # the first key tiles' TMA under the queries' (the kernel did not wait for them)
+        if WGI == 0:
+            for j in gl.static_range(STAGES - LAG):
+                _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles, BLOCK_K, STAGES)
+        mbarrier.wait(qbar, 0)
+    else:
+        # the queries' TMA has landed (the CTA's first warps waited before the partitions
+        # began; this wait makes each partition's own ordering explicit and costs one
+        # completed-phase test)
+        mbarrier.wait(qbar, 0)
+        if WGI == 0:
+            for j in gl.static_range(STAGES - LAG):
+                _issue_tile(k_desc, k_bufs, ready, empty, start, j, n_tiles, BLOCK_K, STAGES)
     for i in range(n_tiles):
         if WGI == 0:
             _issue_tile(
@@ -252,7 +279,7 @@ def _ws_logits_kernel(
     q_desc, k_desc, kscale_ptr, wq_ptr, ks_ptr, ke_ptr, out_ptr, row0, n_rows, col0, stride_out,
     H: gl.constexpr, BLOCK_K: gl.constexpr, QUERIES: gl.constexpr, STAGES: gl.constexpr,
     LAG: gl.constexpr, EPILOGUE: gl.constexpr, START_ALIGN: gl.constexpr,
-    WREGS: gl.constexpr, num_warps: gl.constexpr,
+    WREGS: gl.constexpr, UNIFORM: gl.constexpr, EARLY: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """One CTA: QUERIES queries (heaviest first), four warpgroups over [min ks, max ke)."""
     blk = gl.cdiv(n_rows, QUERIES) - 1 - gl.program_id(0)
@@ -278,23 +305,28 @@ def _ws_logits_kernel(
     start, n_tiles = _block_range(
         ks_ptr, ke_ptr, row0, n_rows, blk, QUERIES, BLOCK_K, START_ALIGN, num_warps
     )
-    mbarrier.wait(qbar, 0)
+    if not EARLY:
+        mbarrier.wait(qbar, 0)
     # the partitions' arguments are spelled out in full: in Triton 3.6's Gluon a tuple bound to
     # a name turns its constexprs (H, BLOCK_K, ...) into tensors, so it cannot be built once
     gl.warp_specialize(
         [
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 0, LAG, EPILOGUE)),
+                         H, BLOCK_K, QUERIES, STAGES, 0, LAG, EPILOGUE, UNIFORM,
+                         EARLY)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 1, LAG, EPILOGUE)),
+                         H, BLOCK_K, QUERIES, STAGES, 1, LAG, EPILOGUE, UNIFORM,
+                         EARLY)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 2, LAG, EPILOGUE)),
+                         H, BLOCK_K, QUERIES, STAGES, 2, LAG, EPILOGUE, UNIFORM,
+                         EARLY)),
             (_consumer, (q_smem, qbar, k_desc, k_bufs, ready, empty, kscale_ptr, wq_ptr, ks_ptr,
                          ke_ptr, out_ptr, row0, n_rows, col0, stride_out, blk, start, n_tiles,
-                         H, BLOCK_K, QUERIES, STAGES, 3, LAG, EPILOGUE)),
+                         H, BLOCK_K, QUERIES, STAGES, 3, LAG, EPILOGUE, UNIFORM,
+                         EARLY)),
         ],
         [4, 4, 4],
         # registers a thread of warpgroups 1-3; the default partition (warpgroup 0) gets the
@@ -374,7 +406,8 @@ def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, s
 
 def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, col0,
                      stages: int = 4, lag: int = 2, epilogue: str = "convert",
-                     start_align: int = 16, worker_regs: int = 128):  # fmt: skip
+                     start_align: int = 16, worker_regs: int = 128,
+                     uniform_ranges: bool = False, early_tiles: bool = False):  # fmt: skip
     """`kernels.logits.launch_logits` with the warp-specialised kernel (sm_90, D = 128; all
     tensors on one GPU). Warpgroup 0 keeps stages - lag key tiles in flight ahead of its own.
     `epilogue` (`EPILOGUES`): "convert" stores one score a thread, "direct" the four a thread
@@ -385,7 +418,11 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     Triton kernel's): a packed row's documents start anywhere, and 16 saves 24 keys of the
     first tile on average; every score is computed alike either way (bitwise the same).
     `worker_regs`: registers a thread of warpgroups 1-3, 120 or 128 (warpgroup 0, the
-    producer, gets the rest of the register file: 152 for 120; bitwise the same scores)."""
+    producer, gets the rest of the register file: 152 for 120; bitwise the same scores).
+    `uniform_ranges` passes the CTA's key range through a lane-0 shuffle (`_warp_uniform`), and
+    `early_tiles` has warpgroup 0 issue the first key tiles before the queries' TMA has landed:
+    bitwise the same scores; v14c candidates, compiled and checked on a CPU, not yet timed on
+    the H200 (docs/KERNELS.md)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"launch_logits_ws: epilogue={epilogue!r}: one of {list(EPILOGUES)}")
     if start_align not in (16, BLOCK_K):
@@ -402,5 +439,5 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
         k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
         H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
         EPILOGUE=EPILOGUES[epilogue], START_ALIGN=start_align, WREGS=worker_regs,
-        num_warps=4, maxnreg=128,
+        UNIFORM=uniform_ranges, EARLY=early_tiles, num_warps=4, maxnreg=128,
     )  # fmt: skip
