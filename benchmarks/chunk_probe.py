@@ -7,8 +7,9 @@
 shape this times the fixed logits config over the chunks `plan_chunks` makes under the default
 bound and larger ones (fewer, bigger launches, one shared buffer), interleaved
 (`time_interleaved`, medians). Its run of 2026-12-04 13:36 (RESULTS.md) planned every chunk as
-rows of all keys (10 chunks at 128K under 8 GiB); chunks are now sized by their key windows. Writes chunk_probe.json and .md under --out; `--append-results FILE` appends the
-markdown to benchmarks/RESULTS.md.
+rows of all keys (10 chunks at 128K under 8 GiB); chunks are now sized by their key windows.
+Writes chunk_probe.json and .md under --out; `--append-results FILE` appends the markdown to
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -104,25 +104,21 @@ def compile_ws(heads: int, worker_regs: int, **flags: bool):
     from kernels import logits_ws as ws
     from kernels.logits import WS_LAUNCH
 
-    launch = {"uniform_ranges": False, "early_tiles": False, **WS_LAUNCH[heads],
-              "worker_regs": worker_regs, **flags}  # fmt: skip
-    queries = ws.queries_per_cta(heads)
+    kwargs = {"start_align": 16, "uniform_ranges": False, "early_tiles": False,
+              **WS_LAUNCH[heads], "worker_regs": worker_regs, **flags}  # fmt: skip
+    qbox, meta = ws.kernel_meta(heads, **kwargs)
+    options = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
 
     def desc(rows: int) -> str:
         layout = ws._fp8_layout((rows, 128))
         return f"tensordesc<fp8e4nv[{rows}, 128],{layout!r}>"
 
     types = {
-        "q_desc": desc(min(queries * heads, 256)), "k_desc": desc(ws.BLOCK_K),
+        "q_desc": desc(qbox), "k_desc": desc(ws.BLOCK_K),
         "kscale_ptr": "*fp32", "wq_ptr": "*fp32", "ks_ptr": "*i32", "ke_ptr": "*i32",
         "out_ptr": "*fp32", "row0": "i32", "n_rows": "i32", "col0": "i32", "stride_out": "i32",
     }  # fmt: skip
-    constants = {
-        "H": heads, "BLOCK_K": ws.BLOCK_K, "QUERIES": queries, "STAGES": launch["stages"],
-        "LAG": launch["lag"], "EPILOGUE": ws.EPILOGUES[launch["epilogue"]], "START_ALIGN": 16,
-        "WREGS": launch["worker_regs"], "UNIFORM": launch["uniform_ranges"],
-        "EARLY": launch["early_tiles"], "num_warps": 4,
-    }  # fmt: skip
+    constants = {**meta, "num_warps": options["num_warps"]}
     names = [p.name for p in ws._ws_logits_kernel.params]
     unknown = set(names) - set(types) - set(constants)
     if unknown:  # the kernel grew an argument this script does not know
@@ -130,9 +126,7 @@ def compile_ws(heads: int, worker_regs: int, **flags: bool):
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = {(names.index(n),): v for n, v in constants.items() if n in names}
     src = GluonASTSource(ws._ws_logits_kernel, signature, constexprs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 128}
-    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def inspect(heads: int, worker_regs: int, out: Path | None, **flags: bool) -> dict:

@@ -423,21 +423,34 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     `early_tiles` has warpgroup 0 issue the first key tiles before the queries' TMA has landed:
     bitwise the same scores; v14c candidates, compiled and checked on a CPU, not yet timed on
     the H200 (docs/KERNELS.md)."""
+    qbox, meta = kernel_meta(
+        heads, stages=stages, lag=lag, epilogue=epilogue, start_align=start_align,
+        worker_regs=worker_regs, uniform_ranges=uniform_ranges, early_tiles=early_tiles,
+    )  # fmt: skip
+    _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
+    if n_rows <= 0:
+        return None
+    return _ws_logits_kernel[(triton.cdiv(n_rows, meta["QUERIES"]),)](
+        _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
+        k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0), **meta,
+    )  # fmt: skip
+
+
+def kernel_meta(heads: int, *, stages: int, lag: int, epilogue: str, start_align: int,
+                worker_regs: int, uniform_ranges: bool, early_tiles: bool) -> tuple[int, dict]:  # fmt: skip
+    """(the queries' TMA box rows, `_ws_logits_kernel`'s constexprs and launch options) of a
+    `launch_logits_ws` launch, its keyword arguments checked: the one place the launcher and
+    `benchmarks/ws_sass.py` (which compiles the kernel without a GPU) take them from."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"launch_logits_ws: epilogue={epilogue!r}: one of {list(EPILOGUES)}")
     if start_align not in (16, BLOCK_K):
         raise ValueError(f"launch_logits_ws: start_align={start_align}: 16 or {BLOCK_K}")
     if worker_regs not in (120, 128):  # what the H200 runs measured (v14)
         raise ValueError(f"launch_logits_ws: worker_regs={worker_regs}: 120 or 128")
-    _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
-    if n_rows <= 0:
-        return None
     queries = queries_per_cta(heads)
-    qbox = min(queries * heads, 256)
-    return _ws_logits_kernel[(triton.cdiv(n_rows, queries),)](
-        _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
-        k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0),
-        H=heads, BLOCK_K=BLOCK_K, QUERIES=queries, STAGES=stages, LAG=lag,
-        EPILOGUE=EPILOGUES[epilogue], START_ALIGN=start_align, WREGS=worker_regs,
-        UNIFORM=uniform_ranges, EARLY=early_tiles, num_warps=4, maxnreg=128,
-    )  # fmt: skip
+    meta = {
+        "H": heads, "BLOCK_K": BLOCK_K, "QUERIES": queries, "STAGES": stages, "LAG": lag,
+        "EPILOGUE": EPILOGUES[epilogue], "START_ALIGN": start_align, "WREGS": worker_regs,
+        "UNIFORM": uniform_ranges, "EARLY": early_tiles, "num_warps": 4, "maxnreg": 128,
+    }  # fmt: skip
+    return min(queries * heads, 256), meta

@@ -318,6 +318,9 @@ def test_warp_specialised_launcher_rejects_what_its_kernel_cannot_run() -> None:
     for align in (8, 32, 128):
         with pytest.raises(ValueError, match=rf"start_align={align}: 16 or 64"):
             launch_logits_ws(*args, heads=64, start_align=align, **common)
+    for regs in (112, 124, 152):
+        with pytest.raises(ValueError, match=rf"worker_regs={regs}: 120 or 128"):
+            launch_logits_ws(*args, heads=64, worker_regs=regs, **common)
     # the tensors (on the CPU here: every check but the last runs without a GPU)
     with pytest.raises(ValueError, match=r"q8 is torch.bfloat16 on cpu: need torch.float8"):
         launch_logits_ws(q8.to(torch.bfloat16), *args[1:], heads=64, **common)
