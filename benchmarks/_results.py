@@ -6,6 +6,7 @@ command, so RESULTS.md is a log of what was measured where (newest at the bottom
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -93,27 +94,33 @@ def append_saved_result(path: Path | str, title: str, what: str) -> str:
 
 
 def probe_main(
-    doc: str, title: str, script: str, saved: str, run: Callable[[Path | None], object]
+    doc: str,
+    title: str,
+    script: str,
+    saved: str,
+    run: Callable[..., object],
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> None:
     """The command line of a GPU diagnostic (`select_probe.py`, `logits_clock_probe.py`,
     `indexer_timeline.py`, `logits_probe.py`, `indexer_sync.py`, `logits_ws_probe.py`):
     `--out DIR` runs `run(DIR or None)` on the GPU and saves `saved` (a JSON with the RESULTS.md
     section) there; `--append-results FILE` appends a fetched one here, under `title`, without
-    a GPU."""
-    import argparse
-
+    a GPU. `add_options` adds a probe's own options: `run(DIR or None, args)` then."""
     import torch
 
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", default="", help=f"folder for {saved} and its markdown")
     ap.add_argument("--append-results", default="", help=f"append a fetched {saved}")
+    if add_options is not None:
+        add_options(ap)
     args = ap.parse_args()
     if args.append_results:
         append_saved_result(args.append_results, title, f"{saved} from `{script} --out`")
         return
     if not torch.cuda.is_available():
         sys.exit(f"{script} needs a CUDA GPU")
-    run(Path(args.out) if args.out else None)
+    out = Path(args.out) if args.out else None
+    run(out) if add_options is None else run(out, args)
 
 
 def save_probe(out: Path | None, stem: str, res: dict) -> dict:

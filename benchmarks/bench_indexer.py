@@ -426,6 +426,20 @@ def shape_table(results: list[dict]) -> str:
     return markdown_table(headers, rows)
 
 
+def parse_shapes(text: str) -> tuple[tuple[int, int, bool], ...]:
+    """`--shapes` (`--final`, `logits_ws_probe.py`): comma-separated H:S:causal|packed, e.g. "64:4096:packed,32:8192:causal"."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            h, s, kind = item.strip().split(":")
+            if kind not in ("causal", "packed"):
+                raise ValueError(kind)
+            shapes.append((int(h), int(s), kind == "packed"))
+        except ValueError:
+            raise SystemExit(f"--shapes: {item!r} is not H:S:causal|packed") from None
+    return tuple(shapes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for markdown + json")
@@ -445,6 +459,11 @@ def main() -> None:
         type=float,
         default=125.0,
         help="--final: seconds from the process start; shapes that would end later are skipped",
+    )
+    ap.add_argument(
+        "--shapes",
+        default="",
+        help="--final: H:S:causal|packed,... instead of its shape list (the end to end runs too)",
     )
     ap.add_argument(
         "--append-results",
@@ -470,7 +489,8 @@ def main() -> None:
     if args.final:
         from benchmarks.indexer_final import run_final
 
-        run_final(out, args.budget_s, args.workers, PROCESS_START)
+        shapes = parse_shapes(args.shapes) if args.shapes else None
+        run_final(out, args.budget_s, args.workers, PROCESS_START, shapes)
         return
     sizes = [s for s in SIZES if s <= 16384] if args.quick else SIZES
 

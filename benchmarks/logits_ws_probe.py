@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from benchmarks.bench_indexer import (
     count_pairs,
     logits_buffer,
     logits_runner,
+    parse_shapes,
     random_row,
     row_ranges,
 )
@@ -52,9 +54,9 @@ TRITON_FIXED = V11_LOGITS_CONFIG
 TITLE = "fp8 indexer (issue 5): the warp-specialised logits kernel against the fixed config"
 FIXED_NAME = f"fixed, Triton ({TRITON_FIXED.label})"
 # each variant: launch_logits_ws keyword arguments over the fixed path's WS launch at the shape's
-# head count (`kernels.logits.WS_LAUNCH`): {} is the fixed path's own launch; v14c's candidates
-# (`uniform_ranges`, `early_tiles`) follow
-WS_VARIANTS = ({}, {"uniform_ranges": True}, {"uniform_ranges": True, "early_tiles": True})
+# head count (`kernels.logits.WS_LAUNCH`): {} is the fixed path's own launch (v14c); then
+# without the early key tiles, and v14's launch (neither v14c option)
+WS_VARIANTS = ({}, {"early_tiles": False}, {"uniform_ranges": False, "early_tiles": False})
 SHAPES = (
     (64, 16384, False),
     (64, 32768, False),
@@ -72,6 +74,11 @@ SHAPES = (
     (32, 16384, True),
     (32, 65536, False),
     (32, 131072, True),
+    # below the fixed path's WS threshold (2^28 scores): would the WS kernel serve H = 32's
+    # small launches (target 1's one miss is H = 32 4K causal)?
+    (32, 4096, False),
+    (32, 4096, True),
+    (32, 8192, False),
 )
 ROUNDS = 7
 # a variant that sums in another order than the fixed config (banks) differs from it by fp32
@@ -151,14 +158,34 @@ def compare(p) -> dict[str, dict]:
     return res
 
 
-def probe(out: Path | None) -> dict:
+def add_options(ap) -> None:
+    ap.add_argument(
+        "--shapes", default="", help="H:S:causal|packed,... instead of the default SHAPES"
+    )
+
+
+def host_ms(fn, calls: int = 20) -> float:
+    """Host ms a call of `fn` (its launches, nothing synchronised inside): after a
+    synchronise, so the GPU's queue is empty and no launch waits for a slot; the GPU runs
+    behind and the host's time is what a caller cannot hide when the launches are shorter."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t * 1e3 / calls
+
+
+def probe(out: Path | None, args=None) -> dict:
+    shapes = parse_shapes(args.shapes) if args is not None and args.shapes else SHAPES
     res: dict = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_description(),
         "command": command_line(),
         "shapes": [],
     }
-    for h, s, packed in SHAPES:
+    for h, s, packed in shapes:
         ks, ke = row_ranges(s, packed)
         flops = 2 * h * D * count_pairs(ks, ke)
         q, k, w = random_row(s, h, seed=s + h + packed)
@@ -174,10 +201,12 @@ def probe(out: Path | None) -> dict:
         for v in WS_VARIANTS:
             runners[ws_name(v)] = ws_runner(p, buf, v)
         ms = time_interleaved(runners, ROUNDS)
+        host = {name: host_ms(fn) for name, fn in runners.items()}
         res["shapes"].append(
             {
                 "shape": shape,
                 "ms": ms,
+                "host_ms": host,
                 "tflops": {n: flops / (v * 1e9) for n, v in ms.items()},
                 "check": check,
             }
@@ -235,10 +264,18 @@ def markdown(res: dict) -> str:
         if not bad
         else "; ".join(bad)
     )
+    host_body = [
+        [name, *(f"{r['host_ms'][name] * 1e3:.0f}" if name in r.get("host_ms", {}) else "-"
+                 for r in shapes)]
+        for name in names
+    ]  # fmt: skip
     return (
         f"Measured {res['date']}. Logits ms (ratio to the fixed config), TFLOP/s; all chunks "
         f"of a topk call, interleaved, {ROUNDS} rounds, medians.\n\n"
         + markdown_table(head, body)
+        + "\n\nHost µs a topk call's launches (`host_ms`: the host's own time, the GPU idle "
+        "at the start; a launch shorter than this leaves the GPU waiting for the host):\n\n"
+        + markdown_table(head, host_body)
         + f"\n\nScores against the fixed config's, every chunk: {checks}.\n"
     )
 
@@ -266,7 +303,7 @@ def main() -> None:
             sys.exit("usage: logits_ws_probe.py --profile fixed|ws|banks")
         profile(sys.argv[2])
         return
-    probe_main(__doc__, TITLE, "logits_ws_probe.py", "logits_ws_probe.json", probe)
+    probe_main(__doc__, TITLE, "logits_ws_probe.py", "logits_ws_probe.json", probe, add_options)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""logits_ws_probe.py's command line on CPU: --shapes parsing and the host-time table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks.bench_indexer import parse_shapes
+from benchmarks.logits_ws_probe import FIXED_NAME, markdown
+
+
+def test_shapes_parse_and_bad_items_are_named() -> None:
+    assert parse_shapes("64:4096:packed, 32:8192:causal") == ((64, 4096, True), (32, 8192, False))
+    for bad in ("64:4096", "64:4k:causal", "64:4096:dense"):
+        with pytest.raises(SystemExit, match=re.escape(f"{bad!r} is not H:S:causal|packed")):
+            parse_shapes(f"32:2048:causal,{bad}")
+
+
+def test_markdown_reports_host_microseconds_per_call() -> None:
+    ok = {"same_written": True, "deterministic": True, "max_rel_diff": 0.0, "written": 5,
+          "bitwise_equal_fixed": False, "bitwise_equal_first_variant": True}  # fmt: skip
+    shape = {
+        "shape": "H=64 S=4K packed x6",
+        "ms": {FIXED_NAME: 0.045, "ws, fixed launch": 0.068},
+        "tflops": {FIXED_NAME: 655.0, "ws, fixed launch": 436.0},
+        "host_ms": {FIXED_NAME: 0.0501, "ws, fixed launch": 0.0834},
+        "check": {"ws, fixed launch": ok},
+    }
+    md = markdown({"date": "d", "shapes": [shape]})
+    assert "| ws, fixed launch | 0.068 (1.511), 436 |" in md
+    assert f"| {FIXED_NAME} | 50 |" in md and "| ws, fixed launch | 83 |" in md
+    assert "within fp32 rounding" in md
