@@ -14,7 +14,8 @@ environment may have another, which is why this is not a CI test).
 v14 found with it what the H200 then confirmed: the spills that made the early key tiles and the
 persistent kernel slow, and the register split that removes them (docs/KERNELS.md, v14, v14b).
 A change that should not touch the fixed path can be checked here first: same SASS, same loops.
-`--out DIR` also writes each compile's PTX and SASS there.
+`--uniform-ranges on|off` and `--early-tiles on|off` override the fixed path's options (both on
+since v14c; off, off is v14's launch). `--out DIR` also writes each compile's PTX and SASS there.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ def inspect(heads: int, worker_regs: int, out: Path | None, **flags: bool) -> di
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"ws_h{heads}_r{worker_regs}" + "".join(f"_{k}" for k, v in flags.items() if v)
+        stem = f"ws_h{heads}_r{worker_regs}" + "".join(
+            f"_{k}_{'on' if v else 'off'}" for k, v in flags.items()
+        )
         (out / f"{stem}.ptx").write_text(compiled.asm["ptx"])
         (out / f"{stem}.sass").write_text(sass)
     return res
@@ -166,12 +169,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--heads", type=int, nargs="+", default=[64, 32])
     ap.add_argument("--worker-regs", type=int, nargs="+", default=[128, 120])
-    ap.add_argument("--uniform-ranges", action="store_true", help="launcher's uniform_ranges")
-    ap.add_argument("--early-tiles", action="store_true", help="launcher's early_tiles")
+    for flag in ("uniform_ranges", "early_tiles"):
+        ap.add_argument(
+            f"--{flag.replace('_', '-')}",
+            choices=("on", "off"),
+            default=None,
+            help=f"launcher's {flag} (default: the fixed path's, WS_LAUNCH)",
+        )
     ap.add_argument("--out", type=Path, default=None, help="write ws_sass.json, PTX and SASS here")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # a compile, not the interpreter
-    flags = {"uniform_ranges": args.uniform_ranges, "early_tiles": args.early_tiles}
+    flags = {
+        flag: getattr(args, flag) == "on"
+        for flag in ("uniform_ranges", "early_tiles")
+        if getattr(args, flag) is not None
+    }
     results = []
     for heads in args.heads:
         for regs in args.worker_regs:

@@ -114,8 +114,12 @@ class LogitsConfig:
     on one kind). At H = 64: 0.94-1.00 of the Triton kernel's time from 16K rows x 16K keys in
     v13's H200 probes (0.96-1.00 in its final runs), 1.03-1.04 at 8K packed rows, 1.6-1.8 at
     4K (v13 in docs/KERNELS.md). At H = 32, with 120 registers for warpgroups 1-3 (v14):
-    0.90-0.98 from 16K rows (0.94-0.98 at 8K rows, under the fixed threshold). None: the
-    Triton kernel everywhere.
+    0.90-0.98 from 16K rows (0.94-0.98 at 8K rows, under the fixed threshold). v14c's launch:
+    0.93-0.94 (H = 64) and 0.90-0.93 (H = 32) from 16K rows. The threshold stays at 16K x 16K:
+    a WS launch costs the host 60-110 us (the Triton kernel's 36-60), as much as a small
+    launch's GPU time: 2K-8K packed rows took 1.1-2.0x the Triton kernel's time and 2K-4K
+    causal rows 0.8-1.9x (host-bound, varying with the host from machine to machine), while
+    8K causal rows gain 5-10%. None: the Triton kernel everywhere.
     """
 
     block_n: int = 128
@@ -580,11 +584,16 @@ def launch_logits(
 # the warp-specialised kernel's launch in the fixed path (`launch_logits`), by head count: at
 # H = 32 warpgroups 1-3 take 120 registers a thread and the producer 152 (128 spilled there;
 # 0.90-0.98 of the Triton kernel's time from 8K rows instead of 1.04-1.26, v14); at H = 64 the
-# split is within 1% either way and v13's 128 stays
+# split is within 1% either way and v13's 128 stays. Since v14c the CTA's key range passes
+# through a lane shuffle (uniform_ranges) and the first key tiles go out under the queries' TMA
+# (early_tiles): 0.94-0.98 of v14's launch time from 16K rows, 0.92-0.96 at 8K (the same
+# scores, bitwise)
 WS_LAUNCH = {
-    64: {"stages": 4, "lag": 1, "epilogue": "banks", "worker_regs": 128},
-    32: {"stages": 4, "lag": 1, "epilogue": "banks", "worker_regs": 120},
-}
+    64: {"stages": 4, "lag": 1, "epilogue": "banks", "worker_regs": 128,
+         "uniform_ranges": True, "early_tiles": True},
+    32: {"stages": 4, "lag": 1, "epilogue": "banks", "worker_regs": 120,
+         "uniform_ranges": True, "early_tiles": True},
+}  # fmt: skip
 
 
 def triton_launch(

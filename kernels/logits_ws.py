@@ -45,9 +45,11 @@ time from 16K at H=64: its tile loop is heavier and a block change costs more th
 launch) and the producer's work rotated over the four warpgroups (within 1% at H=64): gone
 too; the persistent kernel is in commit 1a8c3bc. The first key tiles issued under the queries'
 TMA were 1.04-1.13x at 128 registers, where warpgroup 0 spills, and a wash with the register
-split; v14c offers them again (`early_tiles`) together with a warp-uniform key range
+split. v14c issues them again (`early_tiles`) together with a warp-uniform key range
 (`uniform_ranges`, which removes the spills and 15 instructions a tile from warpgroup 0's
-loop): compiled and checked on a CPU, not yet timed.
+loop): 0.94-0.98 of v14's launch time from 16K rows and 0.92-0.96 at 8K on the H200 (at
+H = 64 0.93-0.94 of the Triton fixed config's time from 16K rows, at H = 32 0.90-0.93), in
+the fixed path since (`kernels.logits.WS_LAUNCH`).
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
 with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU;
@@ -421,8 +423,8 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     producer, gets the rest of the register file: 152 for 120; bitwise the same scores).
     `uniform_ranges` passes the CTA's key range through a lane-0 shuffle (`_warp_uniform`), and
     `early_tiles` has warpgroup 0 issue the first key tiles before the queries' TMA has landed:
-    bitwise the same scores; v14c candidates, compiled and checked on a CPU, not yet timed on
-    the H200 (docs/KERNELS.md)."""
+    bitwise the same scores either way; the fixed path's launch takes both (v14c in
+    docs/KERNELS.md); the defaults here are v14's launch."""
     qbox, meta = kernel_meta(
         heads, stages=stages, lag=lag, epilogue=epilogue, start_align=start_align,
         worker_regs=worker_regs, uniform_ranges=uniform_ranges, early_tiles=early_tiles,
