@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -177,6 +178,72 @@ def host_ms(fn, calls: int = 20) -> float:
     return t * 1e3 / calls
 
 
+def gpu_only_ms(fn, host: float, calls: int = 20, rounds: int = 5) -> float:
+    """Median device ms a call of `fn` with the host's time hidden: each sample's calls are
+    queued behind a GPU sleep that outlasts their launching (`host` ms a call, `host_ms`), so
+    the GPU runs them back to back. What the kernels cost when the host runs ahead."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sleep_cycles = int((2 * calls * host + 2.0) * 2e6)  # ms at <= 2 GHz: slower clocks wait longer
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) / calls)
+    return statistics.median(samples)
+
+
+# GPU-only times only where the host can matter: launches of a call under this many ms
+GPU_ONLY_MAX_MS = 1.0
+
+
+def host_breakdown(heads: int) -> dict[str, float]:
+    """Host us of a WS launch's parts at 4K packed rows (`heads`), against the Triton config's
+    whole launch: the launch's constexprs (`kernel_meta`), its argument checks, its two TMA
+    descriptors, the kernel call with descriptors made beforehand, and `launch_logits_ws`
+    whole. Each part is called 1000 times in a row (kernel calls launch: 4K packed keeps the
+    GPU ahead of the host)."""
+    from kernels import logits_ws as ws
+
+    ks, ke = row_ranges(4096, True)
+    q, k, w = random_row(4096, heads, seed=5)
+    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
+    buf = logits_buffer(p)
+    ((r0, r1, col0, width),) = chunk_plan(p)
+    out = buf[: (r1 - r0) * width].view(r1 - r0, width)
+    kw = {"start_align": 16, **WS_LAUNCH[heads]}
+    qbox, meta = ws.kernel_meta(heads, **kw)
+    dq, dk = ws._desc(p.q8, [qbox, 128]), ws._desc(p.k8, [ws.BLOCK_K, 128])
+    grid = ((r1 - r0 + meta["QUERIES"] - 1) // meta["QUERIES"],)
+    args = (p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out)
+    parts = {
+        "kernel_meta": lambda: ws.kernel_meta(heads, **kw),
+        "argument checks": lambda: ws._check_launch(
+            *args, heads, r0, r1 - r0, col0, kw["stages"], kw["lag"]
+        ),
+        "two TMA descriptors": lambda: (
+            ws._desc(p.q8, [qbox, 128]),
+            ws._desc(p.k8, [ws.BLOCK_K, 128]),
+        ),
+        "kernel call (descriptors made before)": lambda: ws._ws_logits_kernel[grid](
+            dq, dk, p.k_scale, p.wq, p.ks, p.ke, out, r0, r1 - r0, col0, out.stride(0), **meta
+        ),
+        "launch_logits_ws": lambda: ws.launch_logits_ws(
+            *args, heads=heads, row0=r0, n_rows=r1 - r0, col0=col0, **WS_LAUNCH[heads]
+        ),
+        FIXED_NAME: logits_runner(p, TRITON_FIXED, buf),
+    }
+    res = {}
+    for name, fn in parts.items():
+        fn()
+        res[name] = host_ms(fn, calls=1000) * 1e3
+    return res
+
+
 def probe(out: Path | None, args=None) -> dict:
     shapes = parse_shapes(args.shapes) if args is not None and args.shapes else SHAPES
     res: dict = {
@@ -202,11 +269,17 @@ def probe(out: Path | None, args=None) -> dict:
             runners[ws_name(v)] = ws_runner(p, buf, v)
         ms = time_interleaved(runners, ROUNDS)
         host = {name: host_ms(fn) for name, fn in runners.items()}
+        gpu = {
+            name: gpu_only_ms(fn, host[name])
+            for name, fn in runners.items()
+            if ms[name] < GPU_ONLY_MAX_MS
+        }
         res["shapes"].append(
             {
                 "shape": shape,
                 "ms": ms,
                 "host_ms": host,
+                "gpu_only_ms": gpu,
                 "tflops": {n: flops / (v * 1e9) for n, v in ms.items()},
                 "check": check,
             }
@@ -214,6 +287,7 @@ def probe(out: Path | None, args=None) -> dict:
         print(shape, json.dumps({n: round(v, 4) for n, v in ms.items()}), flush=True)
         del p, buf, q, k, w
         torch.cuda.empty_cache()
+    res["host_breakdown_us"] = {h: host_breakdown(h) for h in (64, 32)}
     res["markdown"] = markdown(res)
     return save_probe(out, "logits_ws_probe", res)
 
@@ -269,6 +343,37 @@ def markdown(res: dict) -> str:
                  for r in shapes)]
         for name in names
     ]  # fmt: skip
+    gpu_shapes = [r for r in shapes if r.get("gpu_only_ms")]
+    gpu_md = ""
+    if gpu_shapes:
+
+        def gpu_cell(r: dict, name: str) -> str:
+            if name not in r["gpu_only_ms"]:
+                return "-"
+            v, base = r["gpu_only_ms"][name], r["gpu_only_ms"][FIXED_NAME]
+            return f"{v:.4f} ({v / base:.3f})"
+
+        gpu_md = (
+            f"\n\nGPU-only ms (ratio to the fixed config) where a call's launches take under "
+            f"{GPU_ONLY_MAX_MS} ms (`gpu_only_ms`: each sample's calls queued behind a GPU "
+            "sleep, so the host's time is hidden; medians of 5):\n\n"
+            + markdown_table(
+                ["kernel", *(r["shape"] for r in gpu_shapes)],
+                [[name, *(gpu_cell(r, name) for r in gpu_shapes)] for name in names],
+            )
+        )
+    breakdown = res.get("host_breakdown_us") or {}
+    breakdown_md = ""
+    if breakdown:
+        parts = list(next(iter(breakdown.values())))
+        breakdown_md = (
+            "\n\nHost µs of one launch's parts at 4K packed rows (`host_breakdown`, 1000 "
+            "calls each):\n\n"
+            + markdown_table(
+                ["part", *(f"H={h}" for h in breakdown)],
+                [[part, *(f"{b[part]:.1f}" for b in breakdown.values())] for part in parts],
+            )
+        )
     return (
         f"Measured {res['date']}. Logits ms (ratio to the fixed config), TFLOP/s; all chunks "
         f"of a topk call, interleaved, {ROUNDS} rounds, medians.\n\n"
@@ -276,6 +381,8 @@ def markdown(res: dict) -> str:
         + "\n\nHost µs a topk call's launches (`host_ms`: the host's own time, the GPU idle "
         "at the start; a launch shorter than this leaves the GPU waiting for the host):\n\n"
         + markdown_table(head, host_body)
+        + gpu_md
+        + breakdown_md
         + f"\n\nScores against the fixed config's, every chunk: {checks}.\n"
     )
 

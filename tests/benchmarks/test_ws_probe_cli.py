@@ -25,9 +25,19 @@ def test_markdown_reports_host_microseconds_per_call() -> None:
         "ms": {FIXED_NAME: 0.045, "ws, fixed launch": 0.068},
         "tflops": {FIXED_NAME: 655.0, "ws, fixed launch": 436.0},
         "host_ms": {FIXED_NAME: 0.0501, "ws, fixed launch": 0.0834},
+        "gpu_only_ms": {FIXED_NAME: 0.0435, "ws, fixed launch": 0.0407},
         "check": {"ws, fixed launch": ok},
     }
-    md = markdown({"date": "d", "shapes": [shape]})
+    big = dict(shape, shape="H=64 S=64K causal", gpu_only_ms={})  # over GPU_ONLY_MAX_MS
+    breakdown = {
+        64: {"two TMA descriptors": 9.0, FIXED_NAME: 29.4},
+        32: {"two TMA descriptors": 4.6, FIXED_NAME: 29.1},
+    }
+    md = markdown({"date": "d", "shapes": [shape, big], "host_breakdown_us": breakdown})
     assert "| ws, fixed launch | 0.068 (1.511), 436 |" in md
     assert f"| {FIXED_NAME} | 50 |" in md and "| ws, fixed launch | 83 |" in md
     assert "within fp32 rounding" in md
+    gpu_table = md.split("GPU-only ms")[1].split("Host µs of one launch")[0]
+    assert "| ws, fixed launch | 0.0407 (0.936) |" in gpu_table
+    assert "H=64 S=64K causal" not in gpu_table  # only shapes timed GPU-only get a column
+    assert "| part | H=64 | H=32 |" in md and "| two TMA descriptors | 9.0 | 4.6 |" in md
