@@ -427,16 +427,23 @@ def shape_table(results: list[dict]) -> str:
 
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, bool], ...]:
-    """`--shapes` (`--final`, `logits_ws_probe.py`): comma-separated H:S:causal|packed, e.g. "64:4096:packed,32:8192:causal"."""
+    """`--shapes` (`--final`, `logits_ws_probe.py`): comma-separated H:S:causal|packed, e.g.
+    "64:4096:packed,32:8192:causal"; H 32 or 64 (the fixed path's head counts), S a positive
+    multiple of 1024 (shapes are named by S // 1024)."""
     shapes = []
     for item in text.split(","):
         try:
             h, s, kind = item.strip().split(":")
-            if kind not in ("causal", "packed"):
-                raise ValueError(kind)
+            if kind not in ("causal", "packed") or int(h) not in (32, 64):
+                raise ValueError(item)
+            if int(s) <= 0 or int(s) % 1024:
+                raise ValueError(item)
             shapes.append((int(h), int(s), kind == "packed"))
         except ValueError:
-            raise SystemExit(f"--shapes: {item!r} is not H:S:causal|packed") from None
+            raise SystemExit(
+                f"--shapes: {item!r} is not H:S:causal|packed with H 32 or 64 and S a positive "
+                "multiple of 1024"
+            ) from None
     return tuple(shapes)
 
 
@@ -481,6 +488,9 @@ def main() -> None:
 
         print(append_final_results(args.append_results))
         return
+    if args.shapes and not args.final:
+        sys.exit("bench_indexer.py: --shapes is for --final runs")
+    shapes = parse_shapes(args.shapes) if args.shapes else None
     if not torch.cuda.is_available():
         sys.exit("bench_indexer.py needs a CUDA GPU (run it through the device tool)")
     out = Path(args.out) if args.out else None
@@ -489,7 +499,6 @@ def main() -> None:
     if args.final:
         from benchmarks.indexer_final import run_final
 
-        shapes = parse_shapes(args.shapes) if args.shapes else None
         run_final(out, args.budget_s, args.workers, PROCESS_START, shapes)
         return
     sizes = [s for s in SIZES if s <= 16384] if args.quick else SIZES

@@ -105,8 +105,7 @@ def compile_ws(heads: int, worker_regs: int, **flags: bool):
     from kernels import logits_ws as ws
     from kernels.logits import WS_LAUNCH
 
-    kwargs = {"start_align": 16, "uniform_ranges": False, "early_tiles": False,
-              **WS_LAUNCH[heads], "worker_regs": worker_regs, **flags}  # fmt: skip
+    kwargs = {"start_align": 16, **WS_LAUNCH[heads], "worker_regs": worker_regs, **flags}
     qbox, meta = ws.kernel_meta(heads, **kwargs)
     options = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
 
@@ -184,13 +183,17 @@ def main() -> None:
         for flag in ("uniform_ranges", "early_tiles")
         if getattr(args, flag) is not None
     }
+    from kernels.logits import WS_LAUNCH
+
     results = []
     for heads in args.heads:
+        # the options compiled, recorded whether given or taken from the fixed path's launch
+        resolved = {f: flags.get(f, WS_LAUNCH[heads][f]) for f in ("uniform_ranges", "early_tiles")}
         for regs in args.worker_regs:
-            r = inspect(heads, regs, args.out, **flags)
+            r = inspect(heads, regs, args.out, **resolved)
             results.append(r)
             print(
-                f"H={heads} worker_regs={regs} {flags}: shared {r['shared_bytes']} B, "
+                f"H={heads} worker_regs={regs} {resolved}: shared {r['shared_bytes']} B, "
                 f"{r['registers']} registers, spills {r['spill_store_bytes']} B stored / "
                 f"{r['spill_load_bytes']} B loaded"
             )

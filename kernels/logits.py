@@ -115,9 +115,9 @@ class LogitsConfig:
     v13's H200 probes (0.96-1.00 in its final runs), 1.03-1.04 at 8K packed rows, 1.6-1.8 at
     4K (v13 in docs/KERNELS.md). At H = 32, with 120 registers for warpgroups 1-3 (v14):
     0.90-0.98 from 16K rows (0.94-0.98 at 8K rows, under the fixed threshold). v14c's launch:
-    0.93-0.94 (H = 64) and 0.90-0.93 (H = 32) from 16K rows. The threshold stays at 16K x 16K:
+    0.92-0.95 (H = 64) and 0.86-0.93 (H = 32) from 16K rows. The threshold stays at 16K x 16K:
     a WS launch costs the host 60-110 us (the Triton kernel's 36-60), as much as a small
-    launch's GPU time: 2K-8K packed rows took 1.1-2.0x the Triton kernel's time and 2K-4K
+    launch's GPU time: 2K-8K packed rows took 1.1-2.1x the Triton kernel's time and 2K-4K
     causal rows 0.8-1.9x (host-bound, varying with the host from machine to machine), while
     8K causal rows gain 5-10%. None: the Triton kernel everywhere.
     """

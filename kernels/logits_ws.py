@@ -424,7 +424,8 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     `uniform_ranges` passes the CTA's key range through a lane-0 shuffle (`_warp_uniform`), and
     `early_tiles` has warpgroup 0 issue the first key tiles before the queries' TMA has landed:
     bitwise the same scores either way; the fixed path's launch takes both (v14c in
-    docs/KERNELS.md); the defaults here are v14's launch."""
+    docs/KERNELS.md), while both default to off here. The fixed path's launch is
+    `kernels.logits.WS_LAUNCH`, not these defaults."""
     qbox, meta = kernel_meta(
         heads, stages=stages, lag=lag, epilogue=epilogue, start_align=start_align,
         worker_regs=worker_regs, uniform_ranges=uniform_ranges, early_tiles=early_tiles,
