@@ -225,7 +225,6 @@ def host_breakdown(heads: int) -> dict[str, float]:
     kw = {"start_align": 16, **WS_LAUNCH[heads]}
     qbox, meta = ws.kernel_meta(heads, **kw)
     dq, dk = ws._desc(p.q8, [qbox, 128]), ws._desc(p.k8, [ws.BLOCK_K, 128])
-    grid = ((r1 - r0 + meta["QUERIES"] - 1) // meta["QUERIES"],)
     args = (p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out)
     parts = {
         "kernel_meta": lambda: ws.kernel_meta(heads, **kw),
@@ -236,8 +235,8 @@ def host_breakdown(heads: int) -> dict[str, float]:
             ws._desc(p.q8, [qbox, 128]),
             ws._desc(p.k8, [ws.BLOCK_K, 128]),
         ),
-        "kernel call (descriptors made before)": lambda: ws._ws_logits_kernel[grid](
-            dq, dk, p.k_scale, p.wq, p.ks, p.ke, out, r0, r1 - r0, col0, out.stride(0), **meta
+        "kernel call (descriptors made before)": lambda: ws.run_kernel(
+            dq, dk, p.k_scale, p.wq, p.ks, p.ke, out, r0, r1 - r0, col0, meta
         ),
         "launch_logits_ws": lambda: ws.launch_logits_ws(
             *args, heads=heads, row0=r0, n_rows=r1 - r0, col0=col0, **WS_LAUNCH[heads]

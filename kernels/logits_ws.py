@@ -433,10 +433,18 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, stages, lag)
     if n_rows <= 0:
         return None
-    return _ws_logits_kernel[(triton.cdiv(n_rows, meta["QUERIES"]),)](
+    return run_kernel(
         _desc(q8, [qbox, q8.shape[1]]), _desc(k8, [BLOCK_K, k8.shape[1]]),
-        k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0), **meta,
+        k_scale, wq, ks, ke, out, row0, n_rows, col0, meta,
     )  # fmt: skip
+
+
+def run_kernel(q_desc, k_desc, k_scale, wq, ks, ke, out, row0, n_rows, col0, meta):
+    """The kernel launch itself, from the TMA descriptors and `kernel_meta`'s constexprs (what
+    `launch_logits_ws` does after its checks; `logits_ws_probe.host_breakdown` times it alone)."""
+    return _ws_logits_kernel[(triton.cdiv(n_rows, meta["QUERIES"]),)](
+        q_desc, k_desc, k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0), **meta
+    )
 
 
 def kernel_meta(heads: int, *, stages: int, lag: int, epilogue: str, start_align: int,
