@@ -9,12 +9,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test lint format clean
 
-$(STAMP): pyproject.toml Makefile packers/_native.c
+$(STAMP): pyproject.toml Makefile packshard/packers/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
 	$(BIN)/pip install -q "$(TORCH)"
 	echo "$(TORCH)" > $(VENV)/constraints.txt
-	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python --constraint $(VENV)/constraints.txt -e '.[dev,s3]'
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python --constraint $(VENV)/constraints.txt -e '.[all,dev]'
 	touch $@
 
 install: $(STAMP)

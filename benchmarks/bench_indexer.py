@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._results import append_result, command_line, machine_description, markdown_table
 from benchmarks.indexer_peers import SWEEP_CONFIGS, autotuned_indexer_topk, fresh_autotuned_launcher
-from kernels.fp8_indexer import (
+from packshard.kernels.fp8_indexer import (
     FIXED_CONFIG,
     IndexerConfig,
     PreparedInputs,
@@ -53,8 +53,13 @@ from kernels.fp8_indexer import (
     plan_chunks,
     prepare_inputs,
 )
-from kernels.logits import WS_LAUNCH, LogitsConfig, launch_logits, triton_launch
-from kernels.topk import ONE_LAUNCH_TOPK_CONFIG, SCAN_TOPK_CONFIG, TopkConfig, TopkWorkspace
+from packshard.kernels.logits import WS_LAUNCH, LogitsConfig, launch_logits, triton_launch
+from packshard.kernels.topk import (
+    ONE_LAUNCH_TOPK_CONFIG,
+    SCAN_TOPK_CONFIG,
+    TopkConfig,
+    TopkWorkspace,
+)
 
 PROCESS_START = time.monotonic()  # --final's budget counts from here (after the imports)
 D = 128

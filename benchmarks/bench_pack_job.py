@@ -122,7 +122,7 @@ def run_floor(dataset: Any, tokenizer: Any, workers: int) -> tuple[float, int]:
 
 
 def run_ours(shared: Path, out: Path, workers: int) -> tuple[float, int]:
-    from pipeline.pack import main
+    from packshard.pipeline.pack import main
 
     args = []
     for rel in INPUTS:
@@ -156,11 +156,11 @@ def main() -> None:
     import ray
     from transformers import AutoTokenizer
 
-    from pipeline.pack import start_local_ray
+    from packshard.pipeline.pack import start_local_ray
 
     datasets.disable_progress_bars()
-    logging.getLogger("pipeline").setLevel(logging.WARNING)
-    from pipeline.tokenization import load_tokenizer
+    logging.getLogger("packshard.pipeline").setLevel(logging.WARNING)
+    from packshard.pipeline.tokenization import load_tokenizer
 
     dataset = datasets.Dataset.from_list(samples(args.shared))
     tmp = Path(tempfile.mkdtemp(prefix="bench_pack_job_"))

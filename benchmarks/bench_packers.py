@@ -68,7 +68,7 @@ import pyarrow.compute as pc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._results import append_result, markdown_table
-from packers import (
+from packshard.packers import (
     apply_overlong,
     build_rows,
     lower_bound_rows,

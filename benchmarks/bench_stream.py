@@ -43,11 +43,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._results import append_result, markdown_table  # noqa: E402
-from packers import CostModel, DatasetWriter, apply_overlong, pack_table, plan_bins  # noqa: E402
-from packers.rows import list_parts  # noqa: E402
-from trainer_shim import PackedShardStream  # noqa: E402
-from trainer_shim.planning import StepPlanner, step_imbalance  # noqa: E402
-from trainer_shim.synthetic import synthetic_table  # noqa: E402
+from packshard.packers import CostModel, DatasetWriter, apply_overlong, pack_table, plan_bins  # noqa: E402
+from packshard.packers.rows import list_parts  # noqa: E402
+from packshard.trainer_shim import PackedShardStream  # noqa: E402
+from packshard.trainer_shim.planning import StepPlanner, step_imbalance  # noqa: E402
+from packshard.trainer_shim.synthetic import synthetic_table  # noqa: E402
 
 BENCH = REPO / ".bench"
 MOSAIC_VENV = BENCH / "mosaic-venv"

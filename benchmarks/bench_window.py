@@ -31,8 +31,8 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._results import append_result, markdown_table
-from packers import plan_bins
-from pipeline.planning import plan_shard_rows
+from packshard.packers import plan_bins
+from packshard.pipeline.planning import plan_shard_rows
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 WINDOWS = (16, 32, 64, 128, 256)

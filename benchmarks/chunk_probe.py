@@ -31,9 +31,9 @@ from benchmarks._results import (
 )
 from benchmarks.bench_indexer import TOPK, D, count_pairs, logits_runner, random_row, row_ranges
 from benchmarks.indexer_final import shape_name, time_interleaved
-from kernels.fp8_indexer import FIXED_CONFIG, plan_chunks, prepare_inputs
-from kernels.logits import FIXED_LOGITS_CONFIG
-from kernels.topk import TopkWorkspace
+from packshard.kernels.fp8_indexer import FIXED_CONFIG, plan_chunks, prepare_inputs
+from packshard.kernels.logits import FIXED_LOGITS_CONFIG
+from packshard.kernels.topk import TopkWorkspace
 
 TITLE = "fp8 indexer (issue 5): logits time against the count of query chunks"
 BOUNDS_GIB = (8, 16, 32, 96)  # the fixed bound first; 96 GiB: one chunk up to 128K x 128K

@@ -70,7 +70,7 @@ from benchmarks.indexer_peers import (
     V10_LOGITS_CONFIG,
     V11_LOGITS_CONFIG,
 )
-from kernels.fp8_indexer import (
+from packshard.kernels.fp8_indexer import (
     FIXED_CONFIG,
     IndexerConfig,
     fp8_indexer_logits,
@@ -78,8 +78,8 @@ from kernels.fp8_indexer import (
     indexer_topk_prepared,
     prepare_inputs,
 )
-from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
-from kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
+from packshard.kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
+from packshard.kernels.topk import FIXED_TOPK_CONFIG, TopkConfig
 
 TITLE = "fp8 indexer (issue 5): final candidates (GPU named under machine)"
 

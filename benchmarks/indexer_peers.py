@@ -24,8 +24,13 @@ from collections.abc import Callable
 import torch
 import triton
 
-from kernels.fp8_indexer import FIXED_CONFIG, IndexerConfig, indexer_topk_prepared, prepare_inputs
-from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, _indexer_logits_kernel
+from packshard.kernels.fp8_indexer import (
+    FIXED_CONFIG,
+    IndexerConfig,
+    indexer_topk_prepared,
+    prepare_inputs,
+)
+from packshard.kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, _indexer_logits_kernel
 
 # Earlier fixed configs, which the sweep, the final run and the probes compare against: v11's
 # (the Triton kernel at every launch: no warp-specialised kernel from 2^28 scores), v10's (every

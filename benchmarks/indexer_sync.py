@@ -39,7 +39,7 @@ from benchmarks._results import (
 )
 from benchmarks.bench_indexer import TOPK, random_row, row_ranges
 from benchmarks.indexer_final import shape_name
-from kernels import fp8_indexer_topk
+from packshard.kernels import fp8_indexer_topk
 
 TITLE = "fp8 indexer (issue 5): ranges from the host against ranges on the GPU"
 SHAPES = ((64, 4096, False), (64, 4096, True), (64, 16384, False), (64, 65536, False))

@@ -30,7 +30,7 @@ from benchmarks._results import (
     save_probe,
 )
 from benchmarks.bench_indexer import TOPK, random_row, row_ranges
-from kernels import fp8_indexer_topk
+from packshard.kernels import fp8_indexer_topk
 
 TITLE = "fp8 indexer (issue 5): one end-to-end call's timeline"
 S, H = 65536, 64

@@ -48,8 +48,8 @@ from benchmarks._results import (
 )
 from benchmarks.bench_indexer import TOPK, D, count_pairs, logits_runner, random_row, row_ranges
 from benchmarks.indexer_peers import V8_LOGITS_CONFIG, V9_LOGITS_CONFIG
-from kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
-from kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
+from packshard.kernels.fp8_indexer import FIXED_CONFIG, indexer_topk_prepared, prepare_inputs
+from packshard.kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
 
 TITLE = "fp8 indexer (issue 5): logits rate against clock and power"
 S, H = 65536, 64

@@ -63,8 +63,8 @@ from benchmarks.bench_indexer import (
 )
 from benchmarks.indexer_final import shape_name, time_interleaved
 from benchmarks.indexer_peers import V8_LOGITS_CONFIG, V9_LOGITS_CONFIG, V11_LOGITS_CONFIG
-from kernels.fp8_indexer import prepare_inputs
-from kernels.logits import (
+from packshard.kernels.fp8_indexer import prepare_inputs
+from packshard.kernels.logits import (
     LogitsConfig,
     _key_scales,
     _key_tile,

@@ -45,8 +45,8 @@ from benchmarks.bench_indexer import (
 )
 from benchmarks.indexer_final import shape_name, time_interleaved
 from benchmarks.indexer_peers import V11_LOGITS_CONFIG
-from kernels.fp8_indexer import prepare_inputs
-from kernels.logits import WS_LAUNCH, launch_logits
+from packshard.kernels.fp8_indexer import prepare_inputs
+from packshard.kernels.logits import WS_LAUNCH, launch_logits
 
 # the fixed config's Triton kernel: the fixed config itself runs the warp-specialised kernel
 # for H = 64 launches from 2^28 scores on sm_90 (v13)
@@ -92,7 +92,7 @@ def ws_name(v: dict) -> str:
 
 
 def ws_launch(p, out, r0: int, r1: int, col0: int, v: dict) -> None:
-    from kernels.logits_ws import launch_logits_ws
+    from packshard.kernels.logits_ws import launch_logits_ws
 
     launch_logits_ws(
         p.q8, p.wq, p.k8, p.k_scale, p.ks, p.ke, out,
@@ -214,7 +214,7 @@ def host_breakdown(heads: int) -> dict[str, float]:
     whole. Each part is called 1000 times in a row; the kernel calls launch, and their GPU time
     (30-45 us at 4K packed rows) is close to their host time, so a few dozen launches queue at
     most."""
-    from kernels import logits_ws as ws
+    from packshard.kernels import logits_ws as ws
 
     ks, ke = row_ranges(4096, True)
     q, k, w = random_row(4096, heads, seed=5)

@@ -44,8 +44,8 @@ from benchmarks._results import (
     save_probe,
 )
 from benchmarks.bench_indexer import event_ms
-from kernels.order import finish_topk, order_topk
-from kernels.topk import (
+from packshard.kernels.order import finish_topk, order_topk
+from packshard.kernels.topk import (
     FIXED_TOPK_CONFIG,
     SCAN_TOPK_CONFIG,
     TopkConfig,

@@ -102,8 +102,8 @@ def compile_ws(heads: int, worker_regs: int, **flags: bool):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import logits_ws as ws
-    from kernels.logits import WS_LAUNCH
+    from packshard.kernels import logits_ws as ws
+    from packshard.kernels.logits import WS_LAUNCH
 
     kwargs = {"start_align": 16, **WS_LAUNCH[heads], "worker_regs": worker_regs, **flags}
     qbox, meta = ws.kernel_meta(heads, **kwargs)
@@ -183,7 +183,7 @@ def main() -> None:
         for flag in ("uniform_ranges", "early_tiles")
         if getattr(args, flag) is not None
     }
-    from kernels.logits import WS_LAUNCH
+    from packshard.kernels.logits import WS_LAUNCH
 
     results = []
     for heads in args.heads:

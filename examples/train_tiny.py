@@ -32,9 +32,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer_shim import PackedShardStream, Position, Topology, TrainedTokenMeter, cp_positions
-from trainer_shim.meter import FlopsModel
-from trainer_shim.topology import new_process_groups
+from packshard.trainer_shim import (
+    PackedShardStream,
+    Position,
+    Topology,
+    TrainedTokenMeter,
+    cp_positions,
+)
+from packshard.trainer_shim.meter import FlopsModel
+from packshard.trainer_shim.topology import new_process_groups
 
 log = logging.getLogger("train_tiny")
 

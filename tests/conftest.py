@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import os
+import platform
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+# The Triton interpreter runs `tl.dot` through numpy's OpenBLAS, whose optimised sgemm kernels
+# (Haswell, Zen: what this machine's environment selects) sum a dot product's terms in an order
+# that depends on the matrices' shapes and the CPU's caches. The kernel tests that compare block
+# configurations bitwise would then compare BLAS kernels instead of ours: they fail on AMD EPYC
+# and pass on Intel. OpenBLAS's Prescott kernel (SSE3, on every x86-64 CPU) sums each dot in one
+# order whatever the shapes. OpenBLAS reads the variable when it loads, so it is set here, before
+# anything imports numpy, and overrides the environment's choice; subprocesses inherit it.
+if platform.machine() in ("x86_64", "AMD64"):
+    if "numpy" in sys.modules:
+        raise RuntimeError("numpy was imported before tests/conftest.py could pin OpenBLAS's kernel")
+    os.environ["OPENBLAS_CORETYPE"] = "Prescott"
 
 
 def _has_cuda() -> bool:

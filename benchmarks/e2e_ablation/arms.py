@@ -45,7 +45,7 @@ class MicroBatch:
 
 def read_stream(url: str, run: RunConfig) -> list[MicroBatch]:
     """The first `run.rows_needed` micro-batches of the dataset at `url`, via the shim."""
-    from trainer_shim import PackedShardStream
+    from packshard.trainer_shim import PackedShardStream
 
     need = run.rows_needed
     out: list[MicroBatch] = []

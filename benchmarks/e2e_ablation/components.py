@@ -47,7 +47,7 @@ def time_components(batch: dict[str, torch.Tensor], run: RunConfig, impl: Any) -
     from benchmarks.e2e_ablation.loss import fused_linear_cross_entropy
     from benchmarks.e2e_ablation.moe import MoE
     from benchmarks.e2e_ablation.sparse_attention import IMPLEMENTATIONS
-    from kernels import fp8_indexer_topk
+    from packshard.kernels import fp8_indexer_topk
 
     m = run.model
     dev = batch["input_ids"].device

@@ -19,7 +19,7 @@ Workloads (Qwen2.5 tokenizer from ../shared/data, chat template, loss on assista
   context, so BFD cannot pair them (shorter mixes pack much tighter: at median 10K BFD leaves
   ~3% padding). The 22 real trajectories are mixed in.
 
-Packing: `python pipeline/pack.py` (the Ray job) when it exists; otherwise the same thing in
+Packing: `python -m packshard.pipeline.pack` (the Ray job) when it exists; otherwise the same thing in
 process — ChatML rendering with `apply_chat_template`, loss on assistant spans found in the
 rendered text, `packers.pack_table` (BFD) and `packers.DatasetWriter` — and the manifest's
 `extra.e2e_packer` says which one made it.
@@ -190,7 +190,7 @@ def pack_in_process(
     import pyarrow as pa
     from transformers import AutoTokenizer
 
-    from packers import DatasetWriter, pack_table
+    from packshard.packers import DatasetWriter, pack_table
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     if pad_token_id is None:
@@ -238,9 +238,9 @@ def pack_with_pipeline(
     pad_token_id: int | None,
     algorithm: str = "bfd",
 ) -> None:
-    """`python pipeline/pack.py` on 2 local CPUs (raises CalledProcessError if the job fails)."""
+    """`python -m packshard.pipeline.pack` on 2 local CPUs (raises CalledProcessError if the job fails)."""
     cmd = [
-        sys.executable, str(REPO / "pipeline" / "pack.py"), "--input", str(inputs), "--output", str(out),
+        sys.executable, "-m", "packshard.pipeline.pack", "--input", str(inputs), "--output", str(out),
         "--tokenizer", str(TOKENIZER_DIR), "--seq-len", str(seq_len), "--cp", "8", "--pad-multiple", str(pad_multiple),
         "--algorithm", algorithm, "--num-cpus", "2", "--overwrite", "--no-progress",
     ]  # fmt: skip
@@ -252,7 +252,7 @@ def pack_with_pipeline(
 
 def _prefix_for_rows(lengths: np.ndarray, rows: int, seq_len: int, algorithm: str = "bfd") -> int:
     """Smallest prefix of the samples whose packing gives at least `rows` rows (or all)."""
-    from packers import plan_bins
+    from packshard.packers import plan_bins
 
     lengths = np.minimum(lengths, seq_len)
     k = max(1, int(rows * seq_len / max(1.0, float(lengths.mean()))) // 2)
@@ -303,10 +303,10 @@ def _pack_pair(
                     pad_token_id=pad_id,
                     algorithm=algorithm,
                 )
-            return f"pipeline/pack.py (--algorithm {algorithm})"
+            return f"packshard.pipeline.pack (--algorithm {algorithm})"
         except subprocess.CalledProcessError as e:
             log.warning(
-                "pipeline/pack.py failed (%s); packing %s in process instead (both datasets)",
+                "packshard.pipeline.pack failed (%s); packing %s in process instead (both datasets)",
                 e,
                 wdir.name,
             )
@@ -332,14 +332,14 @@ def prepare(
     pipeline: bool = True,
 ) -> dict[str, Any]:
     """Write <out_dir>/<workload>/{pad8,padseq} and <out_dir>/data_info.json; returns the info.
-    `pipeline=False` packs in process even where pipeline/pack.py exists."""
+    `pipeline=False` packs in process even where packshard.pipeline.pack exists."""
     if not TOKENIZER_DIR.is_dir():
         raise FileNotFoundError(
             f"{TOKENIZER_DIR} is missing: data preparation needs ../shared/data beside the checkout"
         )
-    from packers import ShardDataset
+    from packshard.packers import ShardDataset
 
-    use_pipeline = pipeline and (REPO / "pipeline" / "pack.py").is_file()
+    use_pipeline = pipeline and (REPO / "packshard" / "pipeline" / "pack.py").is_file()
     info_path = out_dir / "data_info.json"
     info: dict[str, Any] = {
         "seq_len": seq_len,

@@ -130,7 +130,7 @@ class AutotunedIndexer(Indexer):
 def candidate_logits_configs() -> list[Any]:
     """The autotuned arm's search space: the fixed config and 7 neighbours (block_n x block_k
     x warps x stages), a typical @triton.autotune list."""
-    from kernels import FIXED_LOGITS_CONFIG, LogitsConfig
+    from packshard.kernels import FIXED_LOGITS_CONFIG, LogitsConfig
 
     shapes = [
         (256, 32, 4, 3),
@@ -181,15 +181,19 @@ def _peer_module() -> Any | None:
 def make_indexer(kind: IndexerKind) -> Indexer:
     """An indexer of this kind (module docstring)."""
     if kind == "fixed":
-        from kernels import fp8_indexer_topk
+        from packshard.kernels import fp8_indexer_topk
 
-        return Indexer("fixed", fp8_indexer_topk, "kernels.fp8_indexer_topk (FIXED_CONFIG)")
+        return Indexer(
+            "fixed", fp8_indexer_topk, "packshard.kernels.fp8_indexer_topk (FIXED_CONFIG)"
+        )
     if kind == "reference":
-        from kernels import reference_indexer_topk
+        from packshard.kernels import reference_indexer_topk
 
-        return Indexer("reference", reference_indexer_topk, "kernels.reference_indexer_topk")
+        return Indexer(
+            "reference", reference_indexer_topk, "packshard.kernels.reference_indexer_topk"
+        )
     if kind == "reference_autotuned":  # CPU smoke: the autotune bookkeeping over the reference
-        from kernels import reference_indexer_topk
+        from packshard.kernels import reference_indexer_topk
 
         def run_ref(q, k, w, ks, ke, topk, _cfg):  # type: ignore[no-untyped-def]
             return reference_indexer_topk(q, k, w, ks, ke, topk)
@@ -204,14 +208,14 @@ def make_indexer(kind: IndexerKind) -> Indexer:
         from triton.compiler.errors import CompilationError
         from triton.runtime.errors import OutOfResources
 
-        from kernels import IndexerConfig, fp8_indexer_topk
+        from packshard.kernels import IndexerConfig, fp8_indexer_topk
 
         def run_cfg(q, k, w, ks, ke, topk, cfg):  # type: ignore[no-untyped-def]
             return fp8_indexer_topk(q, k, w, ks, ke, topk, config=IndexerConfig(logits=cfg))
 
         return AutotunedIndexer(
             "autotuned", run_cfg, candidate_logits_configs(), _do_bench,
-            "kernels.fp8_indexer_topk, logits config autotuned per length (local: do_bench 25/100 ms over 8 configs)",
+            "packshard.kernels.fp8_indexer_topk, logits config autotuned per length (local: do_bench 25/100 ms over 8 configs)",
             skip_errors=(OutOfResources, CompilationError, RuntimeError),
         )  # fmt: skip
     raise ValueError(

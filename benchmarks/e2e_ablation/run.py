@@ -99,7 +99,7 @@ def self_checks(run: RunConfig, device: torch.device) -> tuple[Any, dict[str, st
     m = run.model
     if run.indexer == "kernel":
         from benchmarks.e2e_ablation.indexers import self_check_problem
-        from kernels import fp8_indexer_topk, reference_indexer_topk
+        from packshard.kernels import fp8_indexer_topk, reference_indexer_topk
 
         q, k, w, ks, ke = self_check_problem(m.index_heads, m.index_dim)
         got = fp8_indexer_topk(
@@ -327,7 +327,7 @@ def prepare_smoke_data(root: Path, run: RunConfig) -> None:
     twice (pad8 / padseq), with packers."""
     import pyarrow as pa
 
-    from packers import DatasetWriter, pack_table
+    from packshard.packers import DatasetWriter, pack_table
 
     rng = np.random.default_rng(0)
     specs = {"long": (40, 230), "math": (12, 48)}
@@ -417,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-pipeline",
         action="store_true",
-        help="--prepare-data: pack in process, not with pipeline/pack.py",
+        help="--prepare-data: pack in process, not with packshard.pipeline.pack",
     )
     p.add_argument(
         "--deadline-s",

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch.utils.checkpoint import checkpoint
 
-from kernels._triton_env import interpreting
+from packshard.kernels._triton_env import interpreting
 
 log = logging.getLogger(__name__)
 

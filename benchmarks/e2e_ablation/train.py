@@ -108,7 +108,7 @@ def make_arm(
     run: RunConfig,
     device: torch.device,
 ) -> ArmRun:
-    from trainer_shim import TrainedTokenMeter
+    from packshard.trainer_shim import TrainedTokenMeter
 
     model = copy.deepcopy(base)
     params = [p for p in model.parameters() if p.requires_grad]

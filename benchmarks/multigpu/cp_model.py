@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from benchmarks.e2e_ablation.loss import fused_linear_cross_entropy
 from benchmarks.e2e_ablation.model import DSAModel, rms_norm, rope_tables
 from benchmarks.e2e_ablation.sparse_attention import IMPLEMENTATIONS
-from trainer_shim import cp_positions
+from packshard.trainer_shim import cp_positions
 
 IndexerFn = Callable[..., torch.Tensor]
 QUERY_BLOCK = 128  # queries per block of the windowed reference (the kernel plans 64-row multiples)
@@ -222,7 +222,7 @@ def windowed_reference_topk(
 ) -> torch.Tensor:  # fmt: skip
     """`kernels.reference_indexer_topk` computed per block of queries over the block's key
     window (module docstring); same contract and output, sentinel k.shape[0]."""
-    from kernels import quantize_fp8_torch, reference_logits_fp8, topk_rows_torch
+    from packshard.kernels import quantize_fp8_torch, reference_logits_fp8, topk_rows_torch
 
     s_q, s_k = q.shape[0], k.shape[0]
     out = torch.full((s_q, topk), s_k, dtype=torch.int32, device=q.device)

@@ -2,7 +2,7 @@
 
 The GPU run reads `.bench/multigpu_data/long_greedy/{pad8,padseq}`: the e2e ablation's
 long-trajectory mix (real SWE-agent trajectories + synthetic ones, Qwen2.5 tokens) packed at
-32K by `pipeline/pack.py --algorithm greedy` (in order, as a sequential loader packs), made by
+32K by `packshard.pipeline.pack --algorithm greedy` (in order, as a sequential loader packs), made by
 `benchmarks.e2e_ablation.data.prepare(..., rows=160, workloads=("long_greedy",))` (~21% of
 the padded-to-seq_len positions are padding). A CPU cannot run 32K rows through even a tiny
 DSA model in useful time, so the CPU proxy uses the same *shape* of mix at `seq_len` tokens:
@@ -11,7 +11,7 @@ DSA model in useful time, so the CPU proxy uses the same *shape* of mix at `seq_
   log-normal with median 0.55 x seq_len, sigma 0.4, clipped to [0.12, 0.95] x
   seq_len; 15% uniform in [0.06, 0.47] x seq_len (the real trajectories' 1.9K-15.3K);
 - random token ids below the tiny model's vocabulary, loss on the last 70% of each document;
-- packed in order with greedy next-fit by `packers.pack_table` (the function pipeline/pack.py's
+- packed in order with greedy next-fit by `packers.pack_table` (the function packshard.pipeline.pack's
   pack tasks call), to a multiple of `pad_multiple` (`pad8/`) and to seq_len with token 0
   (`padseq/`): the same rows in the same order, as in the GPU data.
 
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from packers import DatasetWriter, pack_table, plan_bins
-from trainer_shim.synthetic import synthetic_table
+from packshard.packers import DatasetWriter, pack_table, plan_bins
+from packshard.trainer_shim.synthetic import synthetic_table
 
 GPU_DATA = Path(__file__).resolve().parents[2] / ".bench" / "multigpu_data" / "long_greedy"
 

@@ -37,8 +37,8 @@ def predict(
     data: Path, *, dp: int, rows_per_rank: int, steps: int, warmup: int, attn_weight: float, seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Per-arm modelled sums over the timed steps (module docstring)."""
-    from packers import CostModel, ShardDataset
-    from trainer_shim import Position, StepPlanner
+    from packshard.packers import CostModel, ShardDataset
+    from packshard.trainer_shim import Position, StepPlanner
 
     ds = ShardDataset.open(str(data / "pad8"))
     try:

@@ -187,7 +187,7 @@ def self_checks(
 
 def plan_rows(stream: Any, steps: int) -> list[list[int]]:
     """The global rows of each of the first `steps` steps (all DP ranks), from the shim's planner."""
-    from trainer_shim import Position
+    from packshard.trainer_shim import Position
 
     out, pos = [], Position(0, 0, 0)
     for _ in range(steps):
@@ -323,8 +323,8 @@ def run_step(arm: ArmState, step: int, ctx: dict[str, Any], capture: bool) -> di
 def setup_arms(args: argparse.Namespace, names: list[str], ctx: dict[str, Any]) -> list[ArmState]:
     from benchmarks.e2e_ablation.model import DSAModel
     from benchmarks.multigpu.cp_model import CPAttention, CPIndexer
-    from packers import CostModel
-    from trainer_shim import PackedShardStream, TrainedTokenMeter
+    from packshard.packers import CostModel
+    from packshard.trainer_shim import PackedShardStream, TrainedTokenMeter
 
     topo, device, run = ctx["topo"], ctx["device"], ctx["run"]
     cost_model = CostModel(1.0, ctx["attn_weight"])
@@ -387,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     from benchmarks._results import command_line, machine_description
     from benchmarks.multigpu.cp_model import CPGroup, windowed_reference_topk
-    from kernels import fp8_indexer_topk
-    from trainer_shim import Topology, new_process_groups
+    from packshard.kernels import fp8_indexer_topk
+    from packshard.trainer_shim import Topology, new_process_groups
 
     topo = Topology.from_env(cp_size=args.cp)
     _, cp_group = new_process_groups(topo)

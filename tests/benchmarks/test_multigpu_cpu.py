@@ -39,7 +39,7 @@ SEQ_LEN, ROWS_PER_RANK, STEPS = 256, 2, 2
 def test_windowed_reference_equals_reference() -> None:
     """The CPU indexer of the benchmark is kernels.reference_indexer_topk, block by block."""
     from benchmarks.multigpu.cp_model import windowed_reference_topk
-    from kernels import reference_indexer_topk
+    from packshard.kernels import reference_indexer_topk
 
     g = torch.Generator().manual_seed(3)
     s, h, d, k = 300, 4, 32, 16
@@ -97,7 +97,7 @@ def _single_process_loss(result: dict, data: Path) -> float:
         cp_loss,
         windowed_reference_topk,
     )
-    from trainer_shim import PackedShardStream
+    from packshard.trainer_shim import PackedShardStream
 
     run = PRESETS["smoke"]
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def test_cpu_gloo_dp2_cp2(tmp_path: Path) -> None:
                 assert c["diff_rows"] == 0 and c["valid_slots"] > 0
 
     # the meter counts each row once
-    from packers import ShardDataset
+    from packshard.packers import ShardDataset
 
     ds = ShardDataset.open(str(out / "data" / "pad8"))
     true_tokens = np.asarray(ds.index_column("num_tokens"))

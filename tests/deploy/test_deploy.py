@@ -21,12 +21,12 @@ def _pyproject() -> dict:
 
 
 def _pinned_ray() -> str:
-    for dep in _pyproject()["project"]["dependencies"]:
+    for dep in _pyproject()["project"]["optional-dependencies"]["pack"]:
         m = re.fullmatch(r"ray\[default\]==([\d.]+)", dep.replace(" ", ""))
         if m:
             return m.group(1)
     raise AssertionError(
-        "pyproject.toml must pin ray[default]==X (the image must run the same Ray)"
+        "pyproject.toml's [pack] extra must pin ray[default]==X (the image must run the same Ray)"
     )
 
 
@@ -70,23 +70,22 @@ def _entrypoints() -> list[tuple[Path, list[str]]]:
     readme = (DEPLOY / "README.md").read_text()
     for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            at = line.find("python pipeline/pack.py")
+            at = line.find("python -m packshard.pipeline.pack")
             if at >= 0:
                 found.append((DEPLOY / "README.md", shlex.split(line[at:].split("#")[0])))
     return found
 
 
 def test_every_entrypoint_flag_is_accepted_by_pack():
-    from pipeline.config import build_parser
+    from packshard.pipeline.config import build_parser
 
     entries = _entrypoints()
     assert any(p.suffix == ".yaml" for p, _ in entries), "the RayJob must have an entrypoint"
     for path, argv in entries:
-        assert argv[:2] == ["python", "pipeline/pack.py"], (
-            f"{path}: entrypoint must run python pipeline/pack.py"
+        assert argv[:3] == ["python", "-m", "packshard.pipeline.pack"], (
+            f"{path}: entrypoint must run python -m packshard.pipeline.pack"
         )
-        assert (REPO / argv[1]).is_file()
-        args = [a for a in argv[2:] if a != "\\"]
+        args = [a for a in argv[3:] if a != "\\"]
         parser = build_parser()
         try:
             parser.parse_args(args)
@@ -96,7 +95,7 @@ def test_every_entrypoint_flag_is_accepted_by_pack():
 
 def test_pack_rejects_unknown_flags():
     """The check above can fail: a flag pack.py does not know is rejected."""
-    from pipeline.config import build_parser
+    from packshard.pipeline.config import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--output", "x", "--no-such-flag"])

@@ -87,7 +87,7 @@ def test_newcomer_journey(clean_venv: Path, shared_data: Path, tmp_path: Path):
             chat = shared_data / "chat"
             submit = _run(
                 [str(bin_ / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--",
-                 "python", "pipeline/pack.py",
+                 "python", "-m", "packshard.pipeline.pack",
                  "--input", str(chat / "oasst_en_100_threads.messages.jsonl"),
                  "--input", str(chat / "glaive_toolcall_en_demo.messages.jsonl"),
                  "--input", str(shared_data / "gsm8k" / "test.jsonl"),

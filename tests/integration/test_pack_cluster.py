@@ -1,7 +1,7 @@
 """The pack job against a real Ray cluster this module starts (`ray start --head --block` on its
 own ports and temp dir, stopped by its pid at the end):
 
-- `ray job submit --working-dir . -- python pipeline/pack.py ...` succeeds and the dataset verifies;
+- `ray job submit --working-dir . -- python -m packshard.pipeline.pack ...` succeeds and the dataset verifies;
 - a job stopped by SIGTERM (what `ray job stop` sends) and then killed by SIGKILL (a crash),
   rerun with the same command, gives the very bytes of an uninterrupted run.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.verify import verify_dataset
+from packshard.pipeline.verify import verify_dataset
 from tests.integration._procs import (
     BIN,
     REPO,
@@ -107,7 +107,7 @@ def test_job_submit_runs_the_pack_job_on_the_cluster(cluster, tmp_path: Path):
     out = tmp_path / "out"
     cmd = [
         str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--",
-        "python", "pipeline/pack.py", "--input", "demo://?num_math=300&num_trajectories=3",
+        "python", "-m", "packshard.pipeline.pack", "--input", "demo://?num_math=300&num_trajectories=3",
         "--tokenizer", "packshard:demo", "--output", str(out), "--seq-len", "8192", "--cp", "8",
         "--window", "4", "--shard-tokens", "60000", "--no-progress",
     ]  # fmt: skip
@@ -135,7 +135,8 @@ RESUME_ARGS += ["--seq-len", "16384", "--cp", "8", "--window", "1", "--shard-tok
 def _pack_cmd(out: Path, workers: int) -> list[str]:
     return [
         sys.executable,
-        "pipeline/pack.py",
+        "-m",
+        "packshard.pipeline.pack",
         *RESUME_ARGS,
         "--num-workers",
         str(workers),

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from packers import ShardDataset
-from pipeline.pack import main, start_local_ray
-from pipeline.verify import verify_dataset
+from packshard.packers import ShardDataset
+from packshard.pipeline.pack import main, start_local_ray
+from packshard.pipeline.verify import verify_dataset
 
 pytestmark = [pytest.mark.ray]
 
@@ -400,7 +400,7 @@ def test_s3_input_and_output_on_a_real_s3_server(ray_local, s3_server, s3_bucket
     assert m["totals"]["samples_in"] == 80 and len(m["shards"]) >= 2
     assert not fs.exists(f"{s3_bucket}/packed/run1/_packshard")
     docs = documents(url, opts)
-    from pipeline.tokenization import load_tokenizer
+    from packshard.pipeline.tokenization import load_tokenizer
 
     eos = load_tokenizer("packshard:demo").eos_token_id
     assert sorted(docs) == list(range(80))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer_shim.synthetic import write_synthetic_dataset
+from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer_shim.synthetic import write_synthetic_dataset
+from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -45,8 +45,8 @@ def reference_row(
 def worker(rank: int, url: str, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from packers import ShardDataset
-    from trainer_shim import (
+    from packshard.packers import ShardDataset
+    from packshard.trainer_shim import (
         PackedShardStream,
         Topology,
         TrainedTokenMeter,
@@ -145,7 +145,7 @@ def test_dp2_cp2_gloo(tmp_path: Path):
             "pyarrow",
             "pandas",
             "pytest",
-            "trainer_shim.stream",
+            "packshard.trainer_shim.stream",
         ]
     )  # fmt: skip  (pandas: pyarrow imports it at the first to_numpy)
     mp.start_processes(

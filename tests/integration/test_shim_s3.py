@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from packers import FormatError, ShardDataset
-from trainer_shim import PackedShardStream
-from trainer_shim.synthetic import write_synthetic_dataset
+from packshard.packers import FormatError, ShardDataset
+from packshard.trainer_shim import PackedShardStream
+from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 pytestmark = pytest.mark.s3
 

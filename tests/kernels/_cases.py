@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import IndexerConfig, TopkConfig
+from packshard.kernels import IndexerConfig, TopkConfig
 
 # Small buffers so that every path of the top-k runs at test sizes: rows of n <= CAP take all
 # (CAP = 2 * next_pow2(topk), at least 16), longer rows use the sampled threshold; one program

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.topk import (
+from packshard.kernels.topk import (
     BALLOT_BLOCKS,
     TopkConfig,
     _kth_largest_zeroed,

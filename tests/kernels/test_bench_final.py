@@ -20,7 +20,7 @@ from benchmarks.indexer_final import (
     summarize,
     verdicts,
 )
-from kernels import FIXED_CONFIG, FIXED_LOGITS_CONFIG, FIXED_TOPK_CONFIG
+from packshard.kernels import FIXED_CONFIG, FIXED_LOGITS_CONFIG, FIXED_TOPK_CONFIG
 
 FIXED = FIXED_LOGITS_CONFIG.label
 PIPE = "n128/k64/w4/s3/pipe"
@@ -364,8 +364,8 @@ def test_launch_identity_merges_configs_that_launch_the_same_kernel() -> None:
     import torch
 
     from benchmarks.bench_indexer import launch_identity
-    from kernels.fp8_indexer import prepare_inputs
-    from kernels.logits import LogitsConfig
+    from packshard.kernels.fp8_indexer import prepare_inputs
+    from packshard.kernels.logits import LogitsConfig
 
     plain = LogitsConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)
     s = 200

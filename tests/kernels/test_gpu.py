@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import (
+from packshard.kernels import (
     FIXED_CONFIG,
     FIXED_LOGITS_CONFIG,
     IndexerConfig,
@@ -25,9 +25,9 @@ from kernels import (
     reference_topk,
     topk_rows_torch,
 )
-from kernels.logits import launch_logits
-from kernels.order import finish_topk, order_topk
-from kernels.topk import (
+from packshard.kernels.logits import launch_logits
+from packshard.kernels.order import finish_topk, order_topk
+from packshard.kernels.topk import (
     BALLOT_BLOCKS,
     BALLOT_TOPK_CONFIG,
     ONE_LAUNCH_TOPK_CONFIG,
@@ -281,7 +281,7 @@ def test_warp_specialised_logits_equal_the_triton_kernel(heads: int) -> None:
     # three launches of each variant (a ring race would show as a launch that differs)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised logits kernel is sm_90 only")
-    from kernels.logits_ws import launch_logits_ws
+    from packshard.kernels.logits_ws import launch_logits_ws
 
     ks, ke = packed_ranges(DOCS)
     q, k, w = random_inputs(4096, heads, 128, seed=9, device="cuda")

@@ -8,10 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from kernels import (
+from packshard.kernels import (
     IndexerConfig,
     fp8_indexer_logits,
     fp8_indexer_topk,
@@ -19,8 +20,8 @@ from kernels import (
     plan_chunks,
     prepare_inputs,
 )
-from kernels.logits import launch_logits
-from kernels.topk import TopkConfig, TopkWorkspace
+from packshard.kernels.logits import launch_logits
+from packshard.kernels.topk import TopkConfig, TopkWorkspace
 from tests.kernels._cases import SMALL, SMALL_TOPK, packed_ranges, random_inputs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,6 +113,26 @@ def test_plan_chunks_is_pure_bounded_and_sized_by_key_windows() -> None:
     assert plan_chunks([], [], 128, 0, 1 << 20) == []
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_plan_chunks_on_int32_and_int64_ranges_with_empty_rows(dtype) -> None:
+    # The shim's ks_host is int32 and every packed row ends in cp padding (empty ranges); a
+    # leading empty block too. The plan is the same for both dtypes and for Python lists, no
+    # window starts below 0 or reaches past the keys, and an all-empty block gets a 16-key
+    # window at column 0.
+    n = 300
+    ks = np.zeros(n, dtype=np.int64)
+    ke = np.arange(1, n + 1, dtype=np.int64)
+    ke[:70] = ks[:70] = 0  # rows 0-69 have no keys (the first 64-row block is all empty)
+    ks[290:] = ke[290:] = 290  # cp padding: empty ranges at the row's end
+    want = plan_chunks(ks.tolist(), ke.tolist(), n, 64, max_chunk_bytes=4 * 64 * n)
+    got = plan_chunks(ks.astype(dtype), ke.astype(dtype), n, 64, max_chunk_bytes=4 * 64 * n)
+    assert got == want
+    _check_plan(got, ks.tolist(), ke.tolist(), 64, 4 * 64 * n, 64)
+    assert all(col0 >= 0 and col0 + width <= n + 16 for _, _, col0, width in got)
+    first = plan_chunks(ks[:64].astype(dtype), ke[:64].astype(dtype), n, 0, 1 << 20)
+    assert first == [(0, 64, 0, 16)]
+
+
 def test_chunked_equals_unchunked(device: str) -> None:
     q, k, w, ks, ke = _case(device)
     p = prepare_inputs(q, k, w, ks, ke)
@@ -181,8 +202,8 @@ def test_repeated_calls_are_bitwise_identical(device: str) -> None:
 
 _CHILD = """
 import hashlib, torch
-from kernels import fp8_indexer_logits, fp8_indexer_topk
-from kernels.topk import TopkWorkspace
+from packshard.kernels import fp8_indexer_logits, fp8_indexer_topk
+from packshard.kernels.topk import TopkWorkspace
 from tests.kernels._cases import SMALL, packed_ranges, random_inputs
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 ks, ke = packed_ranges([90, 60, 47])

@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import (
+from packshard.kernels import (
     FIXED_LOGITS_CONFIG,
     LogitsConfig,
     fp8_indexer_logits,
     prepare_inputs,
     reference_logits,
 )
-from kernels.logits import launch_logits
+from packshard.kernels.logits import launch_logits
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 
@@ -295,7 +295,7 @@ def test_warp_specialised_launcher_rejects_what_its_kernel_cannot_run() -> None:
     # kernels.logits_ws runs on sm_90 only; its launcher's checks run before any launch, so
     # that a bad argument is a ValueError, not a crash in a TMA descriptor or wrong scores
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from kernels.logits_ws import launch_logits_ws, queries_per_cta
+    from packshard.kernels.logits_ws import launch_logits_ws, queries_per_cta
 
     fp8 = torch.float8_e4m3fn
     q8 = torch.zeros(8 * 64, 128, dtype=fp8)

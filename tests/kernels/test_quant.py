@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quantize_fp8, quantize_fp8_torch
+from packshard.kernels import quantize_fp8, quantize_fp8_torch
 
 
 def test_pinned_fp8_values_round_to_nearest_even() -> None:

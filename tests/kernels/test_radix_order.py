@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.order import RADIX_MAX_K2, radix_order_asm
+from packshard.kernels.order import RADIX_MAX_K2, radix_order_asm
 from tests.kernels._ptx import LANES, Memory, Warp
 
 INT32_MIN = np.iinfo(np.int32).min

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import (
+from packshard.kernels import (
     FIXED_CONFIG,
     IndexerConfig,
     TopkConfig,
@@ -21,7 +21,7 @@ from kernels import (
     reference_topk,
     topk_from_logits,
 )
-from kernels.topk import _ufloat, _ukey
+from packshard.kernels.topk import _ufloat, _ukey
 from tests.kernels._cases import (
     SMALL,
     SMALL_EARLY,
@@ -225,8 +225,8 @@ def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> N
 def test_bitonic_order_equals_the_stable_sort() -> None:
     # The order step alone: staging rows with duplicated keys (index order among them), the
     # extreme keys and padding slots; the torch stable sort is the reference.
-    from kernels.order import finish_topk, order_topk
-    from kernels.topk import TopkWorkspace
+    from packshard.kernels.order import finish_topk, order_topk
+    from packshard.kernels.topk import TopkWorkspace
 
     g = torch.Generator().manual_seed(13)
     rows, topk = 5, 12

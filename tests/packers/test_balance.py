@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packers import CostModel, imbalance, part_loads, partition_balanced, partition_round_robin
+from packshard.packers import (
+    CostModel,
+    imbalance,
+    part_loads,
+    partition_balanced,
+    partition_round_robin,
+)
 
 
 @settings(max_examples=200, deadline=None)

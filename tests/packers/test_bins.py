@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packers import ALGORITHMS, lower_bound_rows, plan_bins
-from packers.bins import PY_ALGORITHMS, _native
+from packshard.packers import ALGORITHMS, lower_bound_rows, plan_bins
+from packshard.packers.bins import PY_ALGORITHMS, _native
 
 NATIVE = _native is not None
 
@@ -115,7 +115,9 @@ def test_empty():
     assert plan_bins([], 10) == []
 
 
-@pytest.mark.skipif(not NATIVE, reason="packers._native was not built (no C compiler at install)")
+@pytest.mark.skipif(
+    not NATIVE, reason="packshard.packers._native was not built (no C compiler at install)"
+)
 @pytest.mark.parametrize("algorithm", ALGOS)
 @settings(max_examples=100, deadline=None)
 @given(data=lengths_and_capacity)
@@ -127,7 +129,9 @@ def test_native_and_python_planners_agree(algorithm, data):
     )
 
 
-@pytest.mark.skipif(not NATIVE, reason="packers._native was not built (no C compiler at install)")
+@pytest.mark.skipif(
+    not NATIVE, reason="packshard.packers._native was not built (no C compiler at install)"
+)
 @pytest.mark.parametrize("capacity", [64, 4096, 8192, 131072, 262151])
 def test_native_and_python_agree_at_scale(capacity):
     rng = np.random.default_rng(capacity)

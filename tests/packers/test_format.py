@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from packers import FORMAT_VERSION, DatasetWriter, FormatError, ShardDataset, pack_table
-from packers.format import check_relative_path
+from packshard.packers import FORMAT_VERSION, DatasetWriter, FormatError, ShardDataset, pack_table
+from packshard.packers.format import check_relative_path
 
 CONFIG = {"seq_len": 512, "cp": 4, "pad_multiple": 4, "pad_token_id": 3, "overlong": "truncate"}
 

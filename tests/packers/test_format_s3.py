@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from packers import DatasetWriter, ShardDataset, pack_table
+from packshard.packers import DatasetWriter, ShardDataset, pack_table
 
 pytestmark = pytest.mark.s3
 

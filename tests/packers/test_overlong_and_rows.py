@@ -8,8 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import packers.rows as rows_mod
-from packers import apply_overlong, pack_table, padded_length, row_index_stats, row_problems
+import packshard.packers.rows as rows_mod
+from packshard.packers import (
+    apply_overlong,
+    pack_table,
+    padded_length,
+    row_index_stats,
+    row_problems,
+)
 
 
 @given(n=st.integers(0, 10_000), m=st.integers(1, 64))
@@ -207,7 +213,8 @@ def test_pack_table_rejects_mismatched_mask():
 
 
 @pytest.mark.skipif(
-    rows_mod._native is None, reason="packers._native was not built (no C compiler at install)"
+    rows_mod._native is None,
+    reason="packshard.packers._native was not built (no C compiler at install)",
 )
 @settings(max_examples=60, deadline=None)
 @given(
@@ -237,7 +244,8 @@ def test_native_and_python_row_copy_agree(lens, mult, with_mask, seed, threads):
 
 
 @pytest.mark.skipif(
-    rows_mod._native is None, reason="packers._native was not built (no C compiler at install)"
+    rows_mod._native is None,
+    reason="packshard.packers._native was not built (no C compiler at install)",
 )
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_streaming_copies_of_long_documents(threads):

@@ -8,8 +8,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from pipeline.config import config_from_args
-from pipeline.jobstate import (
+from packshard.pipeline.config import config_from_args
+from packshard.pipeline.jobstate import (
     OutputError,
     check_writable,
     clear_output,

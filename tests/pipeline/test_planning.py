@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packers import plan_bins
-from pipeline.planning import (
+from packshard.packers import plan_bins
+from packshard.pipeline.planning import (
     block_records,
     contributions,
     plan_shard_rows,

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline import readers
-from pipeline.inputs import InputError, resolve_inputs
-from pipeline.readers import count_records, read_records
-from pipeline.samples import BadRecord
+from packshard.pipeline import readers
+from packshard.pipeline.inputs import InputError, resolve_inputs
+from packshard.pipeline.readers import count_records, read_records
+from packshard.pipeline.samples import BadRecord
 
 RECORDS = [{"text": f"doc {i}", "n": i} for i in range(23)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.samples import (
+from packshard.pipeline.samples import (
     REASONS,
     BadRecord,
     Chat,

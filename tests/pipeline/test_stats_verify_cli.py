@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from packers import DatasetWriter, pack_table
-from pipeline.cli import main
+from packshard.packers import DatasetWriter, pack_table
+from packshard.pipeline.cli import main
 
 CONFIG = {
     "seq_len": 1024,
@@ -117,7 +117,7 @@ def test_verify_wrong_totals_and_duplicate_samples(dataset, tmp_path, capsys):
 
 def test_verify_row_invariant_breach_names_shard_and_row(tmp_path, capsys):
     """A shard rewritten with a bad row (consistent checksums) is still caught by the row rules."""
-    from packers import SHARD_SCHEMA
+    from packshard.packers import SHARD_SCHEMA
 
     row = {
         "input_ids": [5, 6, 7, 9],
@@ -139,7 +139,7 @@ def test_verify_row_invariant_breach_names_shard_and_row(tmp_path, capsys):
 def test_console_script_entry_point(dataset):
     url, _, _ = dataset
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "verify", url, "--quiet"],
+        [sys.executable, "-m", "packshard.pipeline.cli", "verify", url, "--quiet"],
         capture_output=True,
         text=True,
     )

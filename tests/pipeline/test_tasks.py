@@ -11,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.inputs import resolve_inputs
-from pipeline.jobstate import marker_path
-from pipeline.planning import ShardPlan, contributions, plan_shards
-from pipeline.readers import count_records
-from pipeline.tasks import WorkSpec, check_shard, pack_shard, tokenize_block
-from pipeline.tokenization import SampleEncoder, load_tokenizer
+from packshard.pipeline.inputs import resolve_inputs
+from packshard.pipeline.jobstate import marker_path
+from packshard.pipeline.planning import ShardPlan, contributions, plan_shards
+from packshard.pipeline.readers import count_records
+from packshard.pipeline.tasks import WorkSpec, check_shard, pack_shard, tokenize_block
+from packshard.pipeline.tokenization import SampleEncoder, load_tokenizer
 
 
 def _spec(out: Path, **kw) -> WorkSpec:

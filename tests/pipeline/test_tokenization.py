@@ -17,8 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.samples import BadRecord, Chat, PlainPromptCompletion, Text, Tokens, to_sample
-from pipeline.tokenization import (
+from packshard.pipeline.samples import (
+    BadRecord,
+    Chat,
+    PlainPromptCompletion,
+    Text,
+    Tokens,
+    to_sample,
+)
+from packshard.pipeline.tokenization import (
     SampleEncoder,
     TokenizerError,
     load_tokenizer,
@@ -320,7 +327,7 @@ def test_tokenizer_loading_fingerprint_and_pad():
 def test_workers_encode_from_the_payload_exactly_like_the_driver(shared_data: Path, name: str):
     """Workers rebuild the tokenizer from the driver's payload (no files, no transformers
     AutoTokenizer): same ids, masks and bad-record verdicts on every kind of sample."""
-    from pipeline.tokenizer_loading import TokenizerPayload
+    from packshard.pipeline.tokenizer_loading import TokenizerPayload
 
     tok = load_tokenizer(str(shared_data / "tokenizers" / name))
     driver = SampleEncoder(tok)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer_shim.synthetic import write_synthetic_dataset
+from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 
 def skewed_lengths(n: int, seed: int = 0) -> np.ndarray:

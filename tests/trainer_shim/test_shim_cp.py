@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_shim.cp import check_layout, cp_positions, cp_slices, reassemble, row_divisor
+from packshard.trainer_shim.cp import check_layout, cp_positions, cp_slices, reassemble, row_divisor
 
 
 @settings(max_examples=100, deadline=None)

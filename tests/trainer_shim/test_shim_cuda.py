@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_shim import PackedShardStream
-from trainer_shim.microbatch import TENSOR_KEYS
+from packshard.trainer_shim import PackedShardStream
+from packshard.trainer_shim.microbatch import TENSOR_KEYS
 
 pytestmark = pytest.mark.gpu
 

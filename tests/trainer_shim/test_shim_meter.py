@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from packers import CostModel
-from trainer_shim import FlopsModel, Topology, TrainedTokenMeter
+from packshard.packers import CostModel
+from packshard.trainer_shim import FlopsModel, Topology, TrainedTokenMeter
 
 
 def mb(tokens: int, padded: int, docs: list[int], loss: int, row: int = 0) -> dict:

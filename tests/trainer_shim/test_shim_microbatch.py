@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_shim.cp import cp_positions
-from trainer_shim.microbatch import (
+from packshard.trainer_shim.cp import cp_positions
+from packshard.trainer_shim.microbatch import (
     IGNORE_INDEX,
     build_microbatch,
     filler_microbatch,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_shim import STATE_VERSION, PackedShardStream
-from trainer_shim.synthetic import write_synthetic_dataset
+from packshard.trainer_shim import STATE_VERSION, PackedShardStream
+from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 
 def same(a: dict, b: dict) -> bool:

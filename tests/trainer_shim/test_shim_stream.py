@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from packers import FormatError, ShardDataset
-from trainer_shim import PackedShardStream
-from trainer_shim.microbatch import build_microbatch
-from trainer_shim.synthetic import write_synthetic_dataset
+from packshard.packers import FormatError, ShardDataset
+from packshard.trainer_shim import PackedShardStream
+from packshard.trainer_shim.microbatch import build_microbatch
+from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 
 def collect(stream: PackedShardStream) -> list[dict]:

@@ -1,0 +1,245 @@
+"""Inputs: turning `--input` specs into an ordered list of input files.
+
+An input spec is a local path, a glob, a directory, or any fsspec URL (``s3://``, ``gs://``,
+``hf://datasets/...``), a Hugging Face ``save_to_disk`` directory (``--split`` picks a split of a
+DatasetDict), a bare hub dataset name (``org/name``, listed through ``hf://`` where the hub is
+reachable), or ``demo://`` (the built-in generated dataset, made inside the tasks that read it,
+so nothing travels from the driver). Specs keep their order; globs expand sorted; directories
+list their supported files recursively, sorted. Formats, by extension: ``.jsonl``/``.ndjson``
+(also ``.gz``, ``.zst``), ``.json`` (an array of records, an object holding one list of records,
+or JSON lines), ``.parquet``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC file or stream format,
+detected from the magic bytes), ``.txt`` (one ``{"text": line}`` per line).
+
+Each file is recorded with its size and version (ETag, or mtime) so that a resumed job can tell
+whether its inputs changed since it started (`pipeline.jobstate`).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import fsspec
+
+from packshard.packers import url_to_fs
+
+DEMO_SCHEME = "demo://"
+_EXTENSIONS = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".txt": "txt",
+}
+_COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+
+
+class InputError(ValueError):
+    """An input cannot be listed or read (names the input and the fix)."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input file, as resolved and counted. `url` keeps its protocol (plain path if local)."""
+
+    url: str
+    format: str
+    compression: str | None = None
+    size: int = 0
+    version: str = ""
+    records: int = -1
+    checkpoints: tuple[tuple[int, int], ...] = ()  # (byte offset, line number) of record k*STRIDE
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["checkpoints"] = [list(c) for c in self.checkpoints]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> InputFile:
+        return cls(**{**d, "checkpoints": tuple(tuple(c) for c in d.get("checkpoints", ()))})
+
+
+def _format_of(path: str) -> tuple[str, str | None] | None:
+    name = posixpath.basename(path).lower()
+    compression = None
+    for ext, comp in _COMPRESSIONS.items():
+        if name.endswith(ext):
+            name, compression = name[: -len(ext)], comp
+            break
+    for ext, fmt in _EXTENSIONS.items():
+        if name.endswith(ext):
+            if compression and fmt in ("parquet", "arrow"):
+                return None
+            return fmt, compression
+    return None
+
+
+def _join(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
+
+
+def _version(info: Mapping[str, Any]) -> str:
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""
+
+
+def resolve_inputs(
+    specs: Sequence[str], *, storage_options: Mapping[str, Any] | None = None, split: str = "train"
+) -> list[InputFile]:
+    """Every input file, in the order given (each glob / directory expanded sorted)."""
+    files: list[InputFile] = []
+    for spec in specs:
+        found = _resolve_one(spec, storage_options, split)
+        if not found:
+            raise InputError(f"input {spec!r} matches no readable files")
+        files.extend(found)
+    if not files:
+        raise InputError("no inputs given (pass --input, or --demo)")
+    return files
+
+
+def _resolve_one(
+    spec: str, storage_options: Mapping[str, Any] | None, split: str
+) -> list[InputFile]:
+    if spec.startswith(DEMO_SCHEME):
+        return [InputFile(url=spec, format="demo", records=demo_size(spec))]
+    try:
+        fs, path = url_to_fs(spec, storage_options)
+    except (ImportError, ValueError) as e:
+        raise InputError(f"input {spec!r}: cannot open its filesystem ({e})") from None
+    try:
+        if any(c in path for c in "*?["):
+            paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
+            return [_file(fs, p, spec) for p in paths if _format_of(p)]
+        if fs.isdir(path):
+            return _directory(fs, path, spec, split)
+        if fs.isfile(path):
+            return [_file(fs, path, spec, strict=True)]
+    except PermissionError as e:
+        raise InputError(f"input {spec!r}: permission denied ({e})") from None
+    except OSError as e:
+        raise InputError(f"input {spec!r}: cannot be listed ({type(e).__name__}: {e})") from None
+    if _looks_like_hub_name(spec):
+        return _hub_dataset(spec, storage_options, split)
+    raise InputError(f"input {spec!r} does not exist")
+
+
+def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = False) -> InputFile:
+    fmt = _format_of(path)
+    if fmt is None:
+        if strict:
+            raise InputError(
+                f"input {spec!r}: unsupported file type; packshard reads .jsonl/.ndjson (+.gz/.zst), .json, "
+                ".parquet, .arrow/.feather/.ipc, .txt and Hugging Face save_to_disk directories"
+            )
+        raise AssertionError(path)
+    info = fs.info(path)
+    if fmt[0] == "arrow":
+        with fs.open(path, "rb") as f:
+            magic = f.read(6)
+        fmt = ("arrow" if magic == b"ARROW1" else "arrow_stream", None)
+    return InputFile(
+        url=_join(fs, path),
+        format=fmt[0],
+        compression=fmt[1],
+        size=int(info.get("size") or 0),
+        version=_version(info),
+    )
+
+
+def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) -> list[InputFile]:
+    if fs.isfile(f"{path}/dataset_dict.json"):
+        with fs.open(f"{path}/dataset_dict.json", "r") as f:
+            splits = json.load(f).get("splits", [])
+        if split not in splits:
+            raise InputError(
+                f"input {spec!r} is a DatasetDict without split {split!r} (it has {splits}); pass --split"
+            )
+        path = f"{path}/{split}"
+    if fs.isfile(
+        f"{path}/state.json"
+    ):  # a Hugging Face save_to_disk dataset: its arrow files, in order
+        with fs.open(f"{path}/state.json", "r") as f:
+            state = json.load(f)
+        names = [d["filename"] for d in state.get("_data_files", [])]
+        if not names:
+            raise InputError(f"input {spec!r}: state.json lists no data files")
+        return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
+    paths = sorted(
+        p
+        for p in fs.find(path)
+        if _format_of(p) and not posixpath.basename(p).startswith((".", "_"))
+    )
+    return [_file(fs, p, spec) for p in paths]
+
+
+def _looks_like_hub_name(spec: str) -> bool:
+    """`org/name` with no scheme, no leading ./ or /, and no file extension."""
+    return (
+        "://" not in spec
+        and spec.count("/") == 1
+        and not spec.startswith((".", "/"))
+        and "." not in spec.rsplit("/", 1)[1]
+    )
+
+
+def _hub_dataset(
+    name: str, storage_options: Mapping[str, Any] | None, split: str
+) -> list[InputFile]:
+    """A bare hub name `org/name`: its data files for `split` through the hf:// filesystem."""
+    url = f"hf://datasets/{name}"
+    try:
+        fs, path = url_to_fs(url, storage_options)
+        paths = sorted(p for p in fs.find(path) if _format_of(p))
+    except (
+        Exception
+    ) as e:  # the hub client raises its HTTP library's errors (not OSError): report them
+        raise InputError(
+            f"input {name!r} is not a local path, and the Hugging Face hub dataset of that name cannot "
+            f"be listed ({type(e).__name__}: {e}); check the name and network access"
+        ) from None
+    chosen = [
+        p for p in paths if f"/{split}" in p[len(path) :] or posixpath.basename(p).startswith(split)
+    ]
+    if not chosen:
+        raise InputError(f"hub dataset {name!r} has no data files for split {split!r}")
+    return [_file(fs, p, url) for p in chosen]
+
+
+# ---- demo ------------------------------------------------------------------------------
+
+
+def demo_params(url: str) -> dict[str, int]:
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        params = {k: int(v) for k, v in parse_qsl(urlsplit(url).query)}
+    except ValueError:
+        raise InputError(
+            f"{url}: demo parameters are integers (seed, num_math, num_trajectories)"
+        ) from None
+    unknown = set(params) - {"seed", "num_math", "num_trajectories"}
+    if unknown:
+        raise InputError(f"{url}: unknown demo parameters {sorted(unknown)}")
+    return params
+
+
+def demo_size(url: str) -> int:
+    """Records of ``demo://[?seed=N&num_math=N&num_trajectories=N]`` (none generated)."""
+    from packshard.pipeline.demo import DEMO_NUM_MATH, DEMO_NUM_TRAJECTORIES
+
+    params = demo_params(url)
+    return params.get("num_math", DEMO_NUM_MATH) + params.get(
+        "num_trajectories", DEMO_NUM_TRAJECTORIES
+    )

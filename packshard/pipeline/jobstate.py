@@ -1,0 +1,205 @@
+"""What a pack job keeps in its output to resume safely, and how a rerun decides what to do.
+
+Besides the dataset (shards, index.arrow, manifest.json, written by packers), an unfinished
+job keeps its own bookkeeping under ``OUT/_packshard/`` (readers ignore it; it is removed
+once the dataset is committed):
+
+    _packshard/plan.json               written before any shard: job version, the dataset config
+                                       (the manifest's future `config`), the counted inputs
+    _packshard/shards/part-NNNNN.json  one per shard, written after the shard is written and
+                                       verified: its plan (positions, windows), manifest entry,
+                                       and counters (samples in/kept, drops by reason, cuts)
+
+A rerun into the same output (`inspect_output`):
+
+- a committed dataset (manifest.json) with the same config: nothing to do; another config:
+  refused, naming the differing keys, unless ``--overwrite``;
+- an unfinished job (plan.json) with the same config: resume. Its counted inputs are reused
+  (no recount) and every shard with a marker is re-hashed against it; shards that verify are
+  kept, the rest is redone. Another config (or inputs that changed since: size, mtime or ETag)
+  is refused unless ``--overwrite``;
+- shards but no plan (not ours, or a foreign layout): refused unless ``--overwrite``.
+
+``--overwrite`` deletes only what a pack job writes (manifest first, so no reader sees a
+half-replaced dataset), never other files under OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import fsspec
+
+from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, shard_name
+from packshard.packers.writer import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+JOB_DIR = "_packshard"
+PLAN_NAME = f"{JOB_DIR}/plan.json"
+MARKERS_DIR = f"{JOB_DIR}/shards"
+JOB_STATE_VERSION = 1
+
+
+class OutputError(ValueError):
+    """The output cannot be used as asked (not writable, or holds a different dataset)."""
+
+
+def marker_path(root: str, number: int) -> str:
+    return f"{root}/{MARKERS_DIR}/{shard_name(number).split('/')[-1].replace('.arrow', '.json')}"
+
+
+def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+    """Write and delete a probe file in OUT, before any work starts."""
+    probe = f"{root}/.packshard-write-probe-{uuid.uuid4().hex}"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        with fs.open(probe, "wb") as f:
+            f.write(b"packshard write probe\n")
+        fs.rm(probe)
+    except (OSError, ValueError) as e:
+        raise OutputError(f"output {url} is not writable ({type(e).__name__}: {e})") from None
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Human-readable differences between two configs (dotted keys)."""
+    diffs: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        name = f"{prefix}{key}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            diffs += config_diff(a, b, f"{name}.")
+        elif a != b:
+            sa, sb = json.dumps(a, default=str), json.dumps(b, default=str)
+            diffs.append(f"{name}: {sa[:120]} (existing) vs {sb[:120]} (this run)")
+    return diffs
+
+
+def _read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+@dataclass
+class OutputState:
+    """What `inspect_output` found."""
+
+    status: Literal["fresh", "resume", "complete"]
+    plan: dict[str, Any] | None = None
+    markers: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def _comparable(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config without the counted record numbers (known only after counting)."""
+    out = dict(config)
+    out["inputs"] = [
+        {k: v for k, v in f.items() if k != "records"} for f in config.get("inputs", [])
+    ]
+    return out
+
+
+def inspect_output(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    url: str,
+    config: Mapping[str, Any],
+    *,
+    overwrite: bool,
+) -> OutputState:
+    """Decide fresh / resume / complete for this config, clearing the output under --overwrite."""
+    manifest_path, plan_path = f"{root}/{MANIFEST_NAME}", f"{root}/{PLAN_NAME}"
+    if fs.exists(manifest_path):
+        try:
+            existing = _read_json(fs, manifest_path).get("config", {})
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            existing = {"<unreadable manifest>": True}
+        diffs = config_diff(_comparable(existing), _comparable(config))
+        if not diffs:
+            return OutputState("complete")
+        if not overwrite:
+            raise OutputError(
+                f"{url} already holds a packshard dataset made with a different config:\n  "
+                + "\n  ".join(diffs[:20])
+                + "\npass --overwrite to replace it, or choose another --output"
+            )
+        clear_output(fs, root)
+        return OutputState("fresh")
+    if fs.exists(plan_path):
+        try:
+            plan = _read_json(fs, plan_path)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            plan = {}
+        diffs = []
+        if plan.get("version") != JOB_STATE_VERSION:
+            diffs.append(
+                f"job state version: {plan.get('version')} (existing) vs {JOB_STATE_VERSION} (this run)"
+            )
+        diffs += config_diff(_comparable(plan.get("config", {})), _comparable(config))
+        if not diffs:
+            return OutputState("resume", plan=plan, markers=read_markers(fs, root))
+        if not overwrite:
+            raise OutputError(
+                f"{url} holds an unfinished pack job with a different config (or inputs that changed since):\n  "
+                + "\n  ".join(diffs[:20])
+                + "\nrerun with its original flags to resume it, or pass --overwrite to start over"
+            )
+        clear_output(fs, root)
+        return OutputState("fresh")
+    if fs.exists(f"{root}/{SHARDS_DIR}") and fs.ls(f"{root}/{SHARDS_DIR}"):
+        if not overwrite:
+            raise OutputError(
+                f"{url}/{SHARDS_DIR} holds files but no packshard job state: pass --overwrite to replace "
+                "them, or choose another --output"
+            )
+        clear_output(fs, root)
+    return OutputState("fresh")
+
+
+def read_markers(fs: fsspec.AbstractFileSystem, root: str) -> dict[int, dict[str, Any]]:
+    """Shard markers of an unfinished job, by shard number (unreadable ones are ignored: the
+    shard is redone)."""
+    base = f"{root}/{MARKERS_DIR}"
+    if not fs.exists(base):
+        return {}
+    paths = sorted(p for p in fs.ls(base, detail=False) if p.endswith(".json"))
+    if not paths:
+        return {}
+    markers: dict[int, dict[str, Any]] = {}
+    for path, raw in fs.cat(paths).items():
+        try:
+            m = json.loads(raw)
+            markers[int(m["plan"]["number"])] = m
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+            log.warning("ignoring unreadable shard marker %s (its shard will be redone)", path)
+    return markers
+
+
+def write_plan(fs: fsspec.AbstractFileSystem, root: str, plan: Mapping[str, Any]) -> None:
+    fs.makedirs(f"{root}/{MARKERS_DIR}", exist_ok=True)
+    write_json_atomic(fs, f"{root}/{PLAN_NAME}", {"version": JOB_STATE_VERSION, **plan})
+
+
+def clear_output(fs: fsspec.AbstractFileSystem, root: str) -> None:
+    """Delete what a pack job writes: manifest first, then index, shards and job state."""
+    for rel in (MANIFEST_NAME, INDEX_NAME):
+        if fs.exists(f"{root}/{rel}"):
+            fs.rm(f"{root}/{rel}")
+    shards = f"{root}/{SHARDS_DIR}"
+    if fs.exists(shards):
+        for p in fs.find(shards):
+            if p.rsplit("/", 1)[-1].startswith("part-"):
+                fs.rm(p)
+    remove_job_state(fs, root)
+    log.info("cleared the previous dataset / job state under %s", root)
+
+
+def remove_job_state(fs: fsspec.AbstractFileSystem, root: str) -> None:
+    """After the commit: the bookkeeping is no longer needed."""
+    path = f"{root}/{JOB_DIR}"
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

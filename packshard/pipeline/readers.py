@@ -1,0 +1,270 @@
+"""Counting the records of input files and reading any range of them.
+
+Sample ids need each file's record count before any work (a sample's id is its index in input
+order), so the job first counts every file once, in parallel, and keeps the counts in its plan
+(a resumed run does not recount). Counting costs a newline scan for JSON lines (also recording
+the byte offset of every 1024th record, so a block can seek straight to its first record) and
+only the footer for parquet; Arrow streams, ``.json`` arrays and compressed files are read
+whole. Reading records [a, b) of a compressed or ``.json`` file decompresses/parses from the
+start: split big compressed inputs into several files, or leave them uncompressed.
+
+Blank lines are not records. Every record comes with its location (``file:line N`` for text
+formats, ``file:row N`` for tabular ones, 1-based), used in every error message; a line that is
+not UTF-8 or not JSON comes as a `BadRecord` (``invalid_utf8``, ``malformed_json``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import io
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from packshard.packers import url_to_fs
+from packshard.pipeline.inputs import InputError, InputFile, demo_params
+from packshard.pipeline.samples import BadRecord
+
+STRIDE = 1024
+TEXT_FORMATS = ("jsonl", "txt")
+
+
+@functools.lru_cache(maxsize=2)
+def demo_records_cached(url: str) -> tuple[dict[str, Any], ...]:
+    """The built-in demo records of a ``demo://`` URL, made once per process (in the tasks
+    that read them: nothing travels from the driver)."""
+    from packshard.pipeline.demo import demo_records
+
+    return tuple(demo_records(**demo_params(url)))
+
+
+# ---- counting --------------------------------------------------------------------------
+
+
+def _open(f: InputFile, storage_options: Mapping[str, Any] | None) -> BinaryIO:
+    fs, path = url_to_fs(f.url, storage_options)
+    try:
+        raw = fs.open(path, "rb")
+    except FileNotFoundError:
+        raise InputError(
+            f"{f.url}: the input disappeared (it was listed when the job started)"
+        ) from None
+    except PermissionError as e:
+        raise InputError(f"{f.url}: permission denied ({e})") from None
+    if f.compression == "gzip":
+        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
+    if f.compression == "zstd":
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))  # type: ignore[return-value]
+    return raw
+
+
+def count_records(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> InputFile:
+    """`f` with `records` (and `checkpoints` for seekable text files) filled in."""
+    if f.records >= 0:
+        return f
+    try:
+        if f.format in TEXT_FORMATS:
+            return _count_lines(f, storage_options)
+        if f.format == "json":
+            return _replace(f, records=len(_json_records(f, storage_options)))
+        with _open(f, storage_options) as fh:
+            if f.format == "parquet":
+                return _replace(f, records=pq.ParquetFile(fh).metadata.num_rows)
+            if f.format == "arrow":
+                reader = pa.ipc.open_file(fh)
+                return _replace(
+                    f,
+                    records=sum(
+                        reader.get_batch(i).num_rows for i in range(reader.num_record_batches)
+                    ),
+                )
+            if f.format == "arrow_stream":
+                return _replace(f, records=sum(b.num_rows for b in pa.ipc.open_stream(fh)))
+    except (OSError, EOFError, pa.ArrowInvalid, ValueError) as e:
+        if isinstance(e, InputError):
+            raise
+        raise InputError(
+            f"{f.url}: unreadable {f.format} input ({type(e).__name__}: {e})"
+        ) from None
+    raise InputError(f"{f.url}: unknown format {f.format!r}")
+
+
+def _replace(f: InputFile, **changes: Any) -> InputFile:
+    return InputFile(**{**asdict(f), **changes})
+
+
+def _count_lines(f: InputFile, storage_options: Mapping[str, Any] | None) -> InputFile:
+    seekable = f.compression is None
+    checkpoints: list[tuple[int, int]] = []
+    records = 0
+    offset = 0
+    with _open(f, storage_options) as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if line.strip():
+                if seekable and records % STRIDE == 0:
+                    checkpoints.append((offset, line_no))
+                records += 1
+            offset += len(line)
+    return _replace(f, records=records, checkpoints=tuple(checkpoints))
+
+
+def _json_records(f: InputFile, storage_options: Mapping[str, Any] | None) -> list[Any]:
+    with _open(f, storage_options) as fh:
+        data = fh.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{f.url}: not valid UTF-8 at byte {e.start}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON lines in a .json file
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        raise InputError(
+            f"{f.url}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
+    if isinstance(doc, list):
+        return doc
+    if isinstance(doc, dict):
+        lists = [v for v in doc.values() if isinstance(v, list)]
+        if len(lists) == 1:
+            return lists[0]
+        return [doc]
+    raise InputError(f"{f.url}: the JSON document is a {type(doc).__name__}, not records")
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+Record = tuple[str, Any]  # (location, decoded record or BadRecord)
+
+
+def read_records(
+    f: InputFile,
+    start: int,
+    stop: int,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    fields: Sequence[str] | None = None,
+) -> Iterator[Record]:
+    """Records [start, stop) of a counted file, with their locations; undecodable records come
+    as BadRecord (invalid_utf8, malformed_json). `fields` projects columnar formats."""
+    if not 0 <= start <= stop <= f.records:
+        raise ValueError(f"{f.url}: records [{start}, {stop}) outside [0, {f.records})")
+    if start == stop:
+        return
+    try:
+        if f.format in TEXT_FORMATS:
+            yield from _read_lines(f, start, stop, storage_options)
+        elif f.format == "demo":
+            recs = demo_records_cached(f.url)
+            for i in range(start, stop):
+                yield f"{f.url}:row {i + 1}", recs[i]
+        elif f.format == "json":
+            recs = _json_records(f, storage_options)
+            for i in range(start, stop):
+                yield f"{f.url}:record {i + 1}", recs[i]
+        else:
+            yield from _read_table(f, start, stop, storage_options, fields)
+    except (OSError, EOFError, pa.ArrowInvalid) as e:
+        raise InputError(f"{f.url}: read failed ({type(e).__name__}: {e})") from None
+
+
+def _read_lines(
+    f: InputFile, start: int, stop: int, storage_options: Mapping[str, Any] | None
+) -> Iterator[Record]:
+    with _open(f, storage_options) as fh:
+        record, line_no = 0, 0
+        if f.checkpoints:
+            offset, first_line = f.checkpoints[start // STRIDE]
+            fh.seek(offset)
+            record, line_no = (start // STRIDE) * STRIDE, first_line - 1
+        for line in fh:
+            line_no += 1
+            if not line.strip():
+                continue
+            if record >= stop:
+                return
+            if record >= start:
+                yield f"{f.url}:line {line_no}", _decode_line(line, f.format)
+            record += 1
+    if record < stop:
+        raise InputError(
+            f"{f.url}: holds {record} records now, {f.records} when counted (the file changed)"
+        )
+
+
+def _decode_line(line: bytes, fmt: str) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRecord("invalid_utf8", f"not valid UTF-8 at byte {e.start} of the line")
+    if fmt == "txt":
+        return {"text": text.rstrip("\r\n")}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRecord("malformed_json", f"{e.msg} at column {e.colno}")
+
+
+def _read_table(
+    f: InputFile,
+    start: int,
+    stop: int,
+    storage_options: Mapping[str, Any] | None,
+    fields: Sequence[str] | None,
+) -> Iterator[Record]:
+    fs, path = url_to_fs(f.url, storage_options)
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    with (
+        pa.memory_map(path) if local and f.format != "parquet" else _open(f, storage_options) as fh
+    ):
+        for first, table in _tables(f, fh, start, stop, fields):
+            for i, rec in enumerate(table.to_pylist()):
+                yield f"{f.url}:row {first + i + 1}", rec
+
+
+def _tables(
+    f: InputFile, fh: Any, start: int, stop: int, fields: Sequence[str] | None
+) -> Iterator[tuple[int, pa.Table]]:
+    """(first record index, table) pieces covering records [start, stop)."""
+
+    def project(t: pa.Table | pa.RecordBatch) -> pa.Table:
+        t = t if isinstance(t, pa.Table) else pa.Table.from_batches([t])
+        keep = [c for c in t.column_names if fields is None or c in fields]
+        return t.select(keep)
+
+    if f.format == "parquet":
+        pf = pq.ParquetFile(fh)
+        names = pf.schema_arrow.names
+        cols = None if fields is None else [c for c in names if c in fields]
+        pos = 0
+        for g in range(pf.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if pos + n > start and pos < stop:
+                t = pf.read_row_group(g, columns=cols)
+                lo, hi = max(start, pos) - pos, min(stop, pos + n) - pos
+                yield pos + lo, t.slice(lo, hi - lo)
+            pos += n
+        return
+    batches = pa.ipc.open_file(fh) if f.format == "arrow" else pa.ipc.open_stream(fh)
+    it = (
+        (batches.get_batch(i) for i in range(batches.num_record_batches))
+        if f.format == "arrow"
+        else iter(batches)
+    )
+    pos = 0
+    for b in it:
+        n = b.num_rows
+        if pos >= stop:
+            break
+        if pos + n > start:
+            lo, hi = max(start, pos) - pos, min(stop, pos + n) - pos
+            yield pos + lo, project(b.slice(lo, hi - lo))
+        pos += n

@@ -1,0 +1,134 @@
+"""`packshard stats URL`: what a dataset holds, from manifest.json and index.arrow only.
+
+No token data is read, so stats on a remote dataset of any size costs two small reads. Besides
+the totals it reports what padding every row to seq_len would have cost on the same rows —
+the number packshard exists to remove.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from packshard.packers import ShardDataset
+
+
+def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
+    """A JSON-serialisable summary of the dataset (see `format_stats` for the text form)."""
+    cfg, totals = ds.config, ds.manifest["totals"]
+    seq_len = int(cfg["seq_len"])
+    num_tokens = ds.index_column("num_tokens").astype(np.int64)
+    padded = ds.index_column("padded_len").astype(np.int64)
+    docs = ds.index_column("num_docs").astype(np.int64)
+    rows = int(num_tokens.size)
+    true_tokens, padded_tokens = int(num_tokens.sum()), int(padded.sum())
+    seq_tokens = rows * seq_len
+    edges = np.asarray(
+        ds.manifest.get("histogram", {}).get("edges") or np.linspace(0, seq_len, 33).round(),
+        dtype=np.int64,
+    )
+    counts, _ = np.histogram(num_tokens, bins=edges)
+    return {
+        "url": ds.url,
+        "seq_len": seq_len,
+        "cp": cfg.get("cp"),
+        "pad_multiple": int(cfg["pad_multiple"]),
+        "tokenizer": (cfg.get("tokenizer") or {}).get("name"),
+        "packing": cfg.get("packing"),
+        "shards": len(ds.shards),
+        "rows": rows,
+        "samples_in": totals.get("samples_in"),
+        "samples_kept": totals.get("samples_kept"),
+        "dropped": totals.get("dropped", {}),
+        "documents": int(docs.sum()),
+        "num_tokens": true_tokens,
+        "padded_tokens": padded_tokens,
+        "loss_tokens": int(ds.index_column("num_loss_tokens").astype(np.int64).sum()),
+        "padding_fraction": (padded_tokens - true_tokens) / padded_tokens if padded_tokens else 0.0,
+        "fill_vs_seq_len": true_tokens / seq_tokens if seq_tokens else 0.0,
+        "pad_to_seq_len_fraction": (seq_tokens - true_tokens) / seq_tokens if seq_tokens else 0.0,
+        "docs_per_row": {
+            "mean": float(docs.mean()) if rows else 0.0,
+            "median": float(np.median(docs)) if rows else 0.0,
+            "max": int(docs.max()) if rows else 0,
+        },
+        "row_tokens": {
+            "min": int(num_tokens.min()) if rows else 0,
+            "median": float(np.median(num_tokens)) if rows else 0.0,
+            "max": int(num_tokens.max()) if rows else 0,
+        },
+        "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
+        "bytes": sum(s.bytes for s in ds.shards),
+    }
+
+
+def format_stats(st: Mapping[str, Any]) -> str:
+    """Human-readable report of `dataset_stats`."""
+    dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(st["dropped"].items())) or "none"
+    lines = [
+        f"dataset      {st['url']}",
+        f"config       seq_len {st['seq_len']:,}  cp {st['cp']}  pad_multiple {st['pad_multiple']}  tokenizer {st['tokenizer']}",
+        f"shards       {st['shards']:,} ({st['bytes'] / 2**20:,.1f} MiB)",
+        f"samples      in {_n(st['samples_in'])}  kept {_n(st['samples_kept'])}  dropped: {dropped}",
+        f"rows         {st['rows']:,}  documents {st['documents']:,}  "
+        f"docs/row mean {st['docs_per_row']['mean']:.2f} median {st['docs_per_row']['median']:.0f} max {st['docs_per_row']['max']}",
+        f"tokens       true {st['num_tokens']:,}  padded {st['padded_tokens']:,}  loss {st['loss_tokens']:,}",
+        f"padding      {100 * st['padding_fraction']:.3f}% of padded tokens (rows padded to a multiple of {st['pad_multiple']})",
+        f"fill         {100 * st['fill_vs_seq_len']:.2f}% of rows x seq_len; padding every row to seq_len "
+        f"would waste {100 * st['pad_to_seq_len_fraction']:.2f}%",
+        f"row tokens   min {st['row_tokens']['min']:,}  median {st['row_tokens']['median']:,.0f}  max {st['row_tokens']['max']:,}",
+        "row-length histogram (true tokens per row):",
+    ]
+    edges, counts = st["histogram"]["edges"], st["histogram"]["counts"]
+    peak = max(counts) if counts else 0
+    for i, (lo, hi, c) in enumerate(zip(edges[:-1], edges[1:], counts, strict=False)):
+        if c:
+            bar = "#" * max(1, round(40 * c / peak))
+            close = "]" if i == len(counts) - 1 else ")"  # numpy's last bin includes its right edge
+            lines.append(f"  [{lo:>8,}, {hi:>8,}{close}  {c:>8,}  {bar}")
+    return "\n".join(lines)
+
+
+def _n(x: Any) -> str:
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def plot_stats(ds: ShardDataset, path: str) -> None:
+    """PNG with the row-length distribution and where the tokens go (true / padding)."""
+    from packshard._extras import require
+
+    matplotlib = require("plot", "matplotlib", "packshard stats --plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = dataset_stats(ds)
+    num_tokens = ds.index_column("num_tokens")
+    padded = ds.index_column("padded_len")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1.hist(num_tokens, bins=st["histogram"]["edges"], color="#3b75af")
+    ax1.axvline(st["seq_len"], color="k", ls="--", lw=1, label=f"seq_len {st['seq_len']:,}")
+    ax1.set_xlabel("true tokens per row")
+    ax1.set_ylabel("rows")
+    ax1.set_title(f"{st['rows']:,} rows, {st['documents']:,} documents")
+    ax1.legend()
+    seq_total = st["rows"] * st["seq_len"]
+    labels = [f"packshard (pad to {st['pad_multiple']})", "pad to seq_len"]
+    true = [st["num_tokens"], st["num_tokens"]]
+    pad = [int((padded - num_tokens).sum()), seq_total - st["num_tokens"]]
+    ax2.bar(labels, true, color="#3b75af", label="true tokens")
+    ax2.bar(labels, pad, bottom=true, color="#d9534f", label="padding")
+    for i, (t, p) in enumerate(zip(true, pad, strict=False)):
+        ax2.text(i, t + p, f"{100 * p / (t + p):.2f}% pad", ha="center", va="bottom")
+    ax2.set_ylabel("tokens")
+    ax2.set_title("where the compute goes")
+    ax2.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def stats_json(ds: ShardDataset) -> str:
+    return json.dumps(dataset_stats(ds), indent=2)

@@ -1,0 +1,418 @@
+"""The work the pack job runs on Ray workers: count, tokenize, pack + write + verify, check.
+
+Each task is a plain function (testable in-process) wrapped by a Ray remote with retries; all
+of them are idempotent, so a retry after a worker death redoes the same work:
+
+- `count_input`: one input file's record count (and seek checkpoints).
+- `tokenize_block`: records [start, stop) of one file -> (`BlockMeta`, `BlockData`). The meta
+  (lengths, per-record status, examples of bad records) goes to the driver; the token data stays
+  in the object store until the shards that need it are written.
+- `pack_shard`: gathers one shard's samples from the blocks that hold them, plans its rows
+  (`planning.plan_shard_rows`), builds them (`packers.build_rows`), writes the shard
+  (`packers.write_shard`: temporary name, then moved), re-reads and verifies it (checksum and
+  every row invariant), and only then writes its marker (`jobstate`).
+- `check_shard`: on resume, re-hashes a shard against its marker and rebuilds its index columns.
+
+Workers never load tokenizer files: the driver ships its tokenizer as a `TokenizerPayload`
+(through the object store, once), and each worker process builds its encoder from it once
+(`encoder_for` caches it by fingerprint), never per task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from packshard.packers import build_rows, row_index_stats, row_problems, url_to_fs, write_shard
+from packshard.packers.format import checksum_stream, shard_name, split_checksum
+from packshard.packers.writer import ShardRecord, write_json_atomic
+from packshard.pipeline.inputs import InputFile
+from packshard.pipeline.jobstate import marker_path
+from packshard.pipeline.planning import ShardPlan, plan_shard_rows, window_sizes_for
+from packshard.pipeline.readers import read_records
+from packshard.pipeline.samples import REASONS, BadRecord, Tokens, source_fields, to_sample
+from packshard.pipeline.tokenization import Encoded, SampleEncoder, TokenizerPayload
+
+log = logging.getLogger(__name__)
+
+MAX_EXAMPLES = 20
+ROWS_PER_BUILD = 4096
+
+
+@dataclass(frozen=True)
+class WorkSpec:
+    """Everything a task needs, small and picklable (no credentials beyond storage options)."""
+
+    output: str
+    storage_options: Mapping[str, Any]
+    tokenizer: Any  # TokenizerPayload, a Ray ObjectRef to one, or None (pre-tokenized inputs only)
+    tokenizer_fingerprint: str | None
+    kind: str
+    columns: Mapping[str, str]
+    loss_roles: tuple[str, ...]
+    template_kwargs: Mapping[str, Any]
+    skip_bad_records: bool
+    seq_len: int
+    pad_multiple: int
+    pad_token_id: int
+    algorithm: str
+    overlong: str
+    carry_rows: int
+    rows_per_batch: int
+    config_digest: str
+
+
+@dataclass
+class BlockData:
+    """Tokenized records of one block (ids first_id .. first_id + n - 1); bad records have
+    length 0 and a non-zero status (index + 1 into samples.REASONS)."""
+
+    first_id: int
+    offsets: np.ndarray  # int64 [n + 1]
+    tokens: np.ndarray  # int32
+    mask: np.ndarray  # bool
+    status: np.ndarray  # int8 [n]
+    examples: list[tuple[int, str, str, str]] = field(
+        default_factory=list
+    )  # (id, location, reason, detail)
+
+
+@dataclass
+class BlockMeta:
+    """What the driver learns from a tokenized block (the token data stays in the store)."""
+
+    first_id: int
+    lengths: np.ndarray  # int64 [n]; 0 for bad records
+    status: np.ndarray  # int8 [n]
+    tokens: int
+    loss_tokens: int
+    seconds: float
+    examples: list[tuple[int, str, str, str]]
+
+
+@dataclass
+class ShardResult:
+    """A written (or kept) shard: plan, manifest record with index columns, and counters."""
+
+    plan: ShardPlan
+    record: ShardRecord
+    counters: dict[str, Any]
+    kept: bool = False
+
+
+class ShardVerifyError(OSError):
+    """A shard read back from storage differs from what was written (retried by Ray)."""
+
+
+# ---- tokenize ----------------------------------------------------------------------------
+
+_ENCODERS: dict[str, SampleEncoder | None] = {}
+
+
+def encoder_for(spec: WorkSpec) -> SampleEncoder | None:
+    """This process's encoder for the spec (built once per worker from the driver's payload)."""
+    if spec.tokenizer is None:
+        return None
+    key = json.dumps(
+        [spec.tokenizer_fingerprint, spec.loss_roles, spec.template_kwargs],
+        sort_keys=True,
+        default=str,
+    )
+    if key not in _ENCODERS:
+        payload = spec.tokenizer
+        if not isinstance(payload, TokenizerPayload):
+            import ray
+
+            payload = ray.get(payload)
+        _ENCODERS[key] = SampleEncoder(
+            payload, loss_roles=spec.loss_roles, template_kwargs=spec.template_kwargs
+        )
+    return _ENCODERS[key]
+
+
+def _encode_without_tokenizer(sample: Any) -> Encoded | BadRecord:
+    if isinstance(sample, BadRecord):
+        return sample
+    if isinstance(sample, Tokens):
+        mask = (
+            np.ones(len(sample.input_ids), np.bool_)
+            if sample.loss_mask is None
+            else np.asarray(sample.loss_mask, np.bool_)
+        )
+        if not mask.any():
+            return BadRecord("no_loss_tokens", "the sample has no loss tokens")
+        return Encoded(np.asarray(sample.input_ids, np.int32), mask)
+    return BadRecord("no_tokenizer", f"a {type(sample).__name__} sample needs --tokenizer")
+
+
+def tokenize_block(
+    spec: WorkSpec, file: InputFile, start: int, stop: int, first_id: int
+) -> tuple[BlockMeta, BlockData]:
+    """Read, validate and tokenize records [start, stop) of `file` (ids from `first_id`)."""
+    t0 = time.perf_counter()
+    encoder = encoder_for(spec)
+    has_template = bool(encoder and encoder.has_chat_template)
+    fields = source_fields(spec.columns) if spec.kind == "auto" or spec.columns else None
+    locations: list[str] = []
+    samples: list[Any] = []
+    for location, record in read_records(
+        file, start, stop, storage_options=spec.storage_options, fields=fields
+    ):
+        locations.append(location)
+        if isinstance(record, BadRecord):
+            samples.append(record)
+            continue
+        try:
+            samples.append(
+                to_sample(
+                    record, kind=spec.kind, columns=spec.columns, has_chat_template=has_template
+                )
+            )  # type: ignore[arg-type]
+        except BadRecord as e:
+            samples.append(e)
+    encoded = (
+        encoder.encode(samples)
+        if encoder is not None
+        else [_encode_without_tokenizer(s) for s in samples]
+    )
+    n = len(encoded)
+    lengths = np.zeros(n, np.int64)
+    status = np.zeros(n, np.int8)
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    examples: list[tuple[int, str, str, str]] = []
+    for i, e in enumerate(encoded):
+        if isinstance(e, BadRecord):
+            status[i] = REASONS.index(e.reason) + 1
+            if len(examples) < MAX_EXAMPLES:
+                examples.append((first_id + i, locations[i], e.reason, e.detail))
+        else:
+            lengths[i] = e.ids.size
+            ids.append(e.ids)
+            masks.append(e.mask)
+    tokens = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    mask = np.concatenate(masks) if masks else np.zeros(0, np.bool_)
+    data = BlockData(
+        first_id, np.concatenate(([0], np.cumsum(lengths))), tokens, mask, status, examples
+    )
+    meta = BlockMeta(
+        first_id,
+        lengths,
+        status,
+        int(tokens.size),
+        int(mask.sum()),
+        time.perf_counter() - t0,
+        examples,
+    )
+    return meta, data
+
+
+# ---- pack ----------------------------------------------------------------------------------
+
+
+def _gather(
+    blocks: tuple[BlockData, ...], which: np.ndarray, src: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate samples' tokens and masks (in the given order), copying contiguous runs at once."""
+    total = int(lengths.sum())
+    tokens = np.empty(total, np.int32)
+    mask = np.empty(total, np.bool_)
+    if not lengths.size:
+        return tokens, mask
+    run_start = np.flatnonzero(
+        np.concatenate(([True], (which[1:] != which[:-1]) | (src[1:] != src[:-1] + lengths[:-1])))
+    )
+    run_end = np.concatenate((run_start[1:], [lengths.size]))
+    dst_of = np.concatenate(([0], np.cumsum(lengths)))
+    for a, b in zip(run_start.tolist(), run_end.tolist(), strict=True):
+        blk = blocks[int(which[a])]
+        s, e = int(src[a]), int(src[b - 1] + lengths[b - 1])
+        d = int(dst_of[a])
+        tokens[d : d + e - s] = blk.tokens[s:e]
+        mask[d : d + e - s] = blk.mask[s:e]
+    return tokens, mask
+
+
+def pack_shard(
+    spec: WorkSpec,
+    plan: ShardPlan,
+    ids: np.ndarray | None,
+    block_firsts: list[int],
+    *blocks: BlockData,
+) -> ShardResult:
+    """Build, write and verify shard `plan.number` from the samples at its positions (`ids`:
+    their sample ids, None for the identity order), then write its marker."""
+    ids = (
+        np.arange(plan.start, plan.stop, dtype=np.int64)
+        if ids is None
+        else np.asarray(ids, np.int64)
+    )
+    firsts = np.asarray(block_firsts, np.int64)
+    which = np.searchsorted(firsts, ids, side="right") - 1
+    local = ids - firsts[which]
+    n = ids.size
+    status = np.zeros(n, np.int8)
+    src = np.zeros(n, np.int64)
+    lengths = np.zeros(n, np.int64)
+    for b in np.unique(which).tolist():
+        sel = np.flatnonzero(which == b)
+        blk, loc = blocks[b], local[sel]
+        if loc.size and int(loc.max()) >= blk.status.size:
+            raise AssertionError(
+                f"block {b} (ids from {blk.first_id}) lacks sample {int(ids[sel][loc.argmax()])}"
+            )
+        status[sel] = blk.status[loc]
+        src[sel] = blk.offsets[loc]
+        lengths[sel] = blk.offsets[loc + 1] - blk.offsets[loc]
+    kept = np.flatnonzero(status == 0)
+    tokens, mask = _gather(blocks, which[kept], src[kept], lengths[kept])
+    kept_lengths = lengths[kept]
+    packed = plan_shard_rows(
+        kept_lengths,
+        window_sizes_for(plan.window_ends, plan.start, kept + plan.start),
+        seq_len=spec.seq_len,
+        overlong=spec.overlong,  # type: ignore[arg-type]
+        algorithm=spec.algorithm,  # type: ignore[arg-type]
+        carry_rows=spec.carry_rows,
+    )
+    pieces = packed.pieces
+    piece_start = (np.cumsum(kept_lengths) - kept_lengths)[pieces.sample] + pieces.start
+    piece_sample_id = ids[kept][pieces.sample]
+    batches = (
+        build_rows(
+            tokens,
+            mask,
+            piece_start,
+            pieces.length,
+            piece_sample_id,
+            packed.rows[i : i + ROWS_PER_BUILD],
+            pad_multiple=spec.pad_multiple,
+            pad_token_id=spec.pad_token_id,
+            threads=1,  # one pack task a CPU already
+        )
+        for i in range(0, len(packed.rows), ROWS_PER_BUILD)
+    )
+    fs, root = url_to_fs(spec.output, spec.storage_options)
+    record = write_shard(fs, root, plan.number, batches, rows_per_batch=spec.rows_per_batch)
+    verify_written(fs, root, record, spec)
+    dropped: dict[str, int] = {}
+    for code, count in zip(*np.unique(status[status > 0], return_counts=True), strict=True):
+        dropped[REASONS[int(code) - 1]] = int(count)
+    for reason, count in pieces.dropped.items():
+        dropped[reason] = dropped.get(reason, 0) + count
+    counters = {
+        "samples_in": int(n),
+        "samples_kept": int(np.unique(pieces.sample).size),
+        "dropped": dropped,
+        "truncated_samples": pieces.truncated_samples,
+        "truncated_tokens": pieces.truncated_tokens,
+        "split_samples": pieces.split_samples,
+        "extra_pieces": pieces.extra_pieces,
+        "dropped_tokens": pieces.dropped_tokens,
+        "examples": _examples_in(blocks, ids),
+    }
+    fs.makedirs(marker_path(root, plan.number).rsplit("/", 1)[0], exist_ok=True)
+    write_json_atomic(
+        fs,
+        marker_path(root, plan.number),
+        {
+            "plan": asdict(plan),
+            "record": record.manifest_entry(),
+            "counters": counters,
+            "config_digest": spec.config_digest,
+        },
+    )
+    return ShardResult(plan, record, counters)
+
+
+def _examples_in(blocks: tuple[BlockData, ...], ids: np.ndarray) -> list[list[Any]]:
+    """The bad-record examples of these blocks whose samples belong to this shard."""
+    examples = [e for blk in blocks for e in blk.examples]
+    if not examples:
+        return []
+    inside = np.isin(np.asarray([e[0] for e in examples], np.int64), ids)
+    return [list(e) for e, ok in zip(examples, inside.tolist(), strict=True) if ok][:MAX_EXAMPLES]
+
+
+def verify_written(fs: Any, root: str, record: ShardRecord, spec: WorkSpec) -> None:
+    """Re-read the shard from storage: bytes, checksum, schema, row count, row invariants."""
+    path = f"{root}/{record.path}"
+    with fs.open(path, "rb") as f:
+        data = f.read()
+    algorithm, _ = split_checksum(record.checksum, path)
+    got = checksum_stream(pa.BufferReader(data).read, algorithm)
+    if len(data) != record.bytes or got != record.checksum:
+        raise ShardVerifyError(
+            f"{path}: read back {len(data)} bytes with checksum {got}, wrote {record.bytes} with {record.checksum}"
+        )
+    reader = pa.ipc.open_file(pa.BufferReader(data))
+    rows = 0
+    for b in range(reader.num_record_batches):
+        batch = reader.get_batch(b)
+        problems = row_problems(
+            batch,
+            seq_len=spec.seq_len,
+            pad_multiple=spec.pad_multiple,
+            pad_token_id=spec.pad_token_id,
+            first_row=rows,
+        )
+        if problems:
+            raise AssertionError(f"{path}: packed rows break the format: {problems[:3]}")
+        rows += batch.num_rows
+    if rows != record.rows:
+        raise ShardVerifyError(f"{path}: holds {rows} rows, {record.rows} were written")
+
+
+def check_shard(spec: WorkSpec, marker: Mapping[str, Any]) -> ShardResult | str:
+    """A kept shard's result rebuilt from its marker and its file, or why it cannot be kept."""
+    plan = ShardPlan(**{**marker["plan"], "window_ends": tuple(marker["plan"]["window_ends"])})
+    entry = marker["record"]
+    if marker.get("config_digest") != spec.config_digest:
+        return "its marker belongs to another config"
+    if entry.get("path") != shard_name(plan.number):
+        return f"its marker names {entry.get('path')!r}"
+    fs, root = url_to_fs(spec.output, spec.storage_options)
+    path = f"{root}/{entry['path']}"
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return "the shard file is missing"
+    algorithm, _ = split_checksum(entry["checksum"], path)
+    if (
+        len(data) != entry["bytes"]
+        or checksum_stream(pa.BufferReader(data).read, algorithm) != entry["checksum"]
+    ):
+        return "the shard file does not match its marker's checksum"
+    reader = pa.ipc.open_file(pa.BufferReader(data))
+    stats = [row_index_stats(reader.get_batch(i)) for i in range(reader.num_record_batches)]
+    keys = ("num_tokens", "padded_len", "num_loss_tokens", "num_docs", "attn_cost", "row_checksum")
+    index = (
+        {k: np.concatenate([s[k] for s in stats]) for k in keys}
+        if stats
+        else {k: np.zeros(0, np.int64) for k in keys}
+    )
+    record = ShardRecord(
+        **{
+            k: entry[k]
+            for k in (
+                "path",
+                "rows",
+                "num_tokens",
+                "padded_tokens",
+                "loss_tokens",
+                "bytes",
+                "checksum",
+                "rows_per_batch",
+            )
+        },
+        index=index,
+    )
+    return ShardResult(plan, record, dict(marker["counters"]), kept=True)

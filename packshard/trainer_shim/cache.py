@@ -1,0 +1,210 @@
+"""A size-bounded local cache of whole shards, for remote datasets (s3://, gs://, ...).
+
+Without a cache, a rank range-reads the record batches that hold its rows straight from the
+object store: no local disk, but a shuffled row costs a read of its whole record batch (~4 MiB
+by the writer's rule), so an epoch reads about rows_per_batch times the rank's data. With a
+cache, the first use of a shard downloads the whole file once, checks it against the
+manifest's checksum (a mismatch raises `FormatError` naming the shard and nothing is kept),
+and later reads memory-map the local copy. When the cache would pass `limit_bytes`, the least
+recently used shards not being read at that moment are deleted (a read holds a `lease` on its
+shard; at most `read_threads` shards are leased at once, so the bound holds whenever the limit
+is at least that many shards).
+
+Sizing: the step plan shuffles rows over the whole dataset, so every rank reads from every
+shard each epoch. A cache that holds the whole dataset downloads each shard once per node
+and rank; a smaller one re-downloads evicted shards when their rows come up again (about
+rows-in-shard / rows-read-per-visit times per epoch). Size it to the dataset where disk allows;
+a tight bound trades object-store traffic for disk.
+
+Layout: ``<cache_dir>/<dataset fingerprint>/{index.arrow, shards/part-NNNNN.arrow}``, a mirror
+of the dataset, so different datasets never share files. A file appears under its final name
+only after it was verified (download to a unique temporary name, then an atomic rename), so
+several ranks of one node may share a cache_dir: the worst case is a shard downloaded twice at
+once. The bound is kept per process over the files that process sees, so give each node's
+ranks a limit that sums to the disk you want to use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from fsspec.implementations.local import LocalFileSystem
+
+from packshard.packers import FormatError, ShardDataset
+from packshard.packers.format import new_hasher, split_checksum
+
+log = logging.getLogger(__name__)
+
+CHUNK = 8 << 20
+
+
+class ShardCache:
+    """Local whole-shard copies of `remote`, at most `limit_bytes` on disk (None: unbounded)."""
+
+    def __init__(
+        self,
+        remote: ShardDataset,
+        cache_dir: str | os.PathLike[str],
+        *,
+        fingerprint: str,
+        limit_bytes: int | None = None,
+    ) -> None:
+        largest = max((s.bytes for s in remote.shards), default=0)
+        if limit_bytes is not None and limit_bytes < largest:
+            raise ValueError(
+                f"cache_limit_bytes={limit_bytes} is smaller than the largest shard of {remote.url} "
+                f"({largest} bytes); raise it to at least {largest} (a few shards' worth is better)"
+            )
+        self.remote = remote
+        self.limit_bytes = limit_bytes
+        slug = "".join(c if c.isalnum() else "-" for c in fingerprint)[:48]
+        self.root = Path(cache_dir).expanduser().resolve() / slug
+        (self.root / "shards").mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._reserved = 0  # bytes of downloads in flight
+        self._shard_locks = [threading.Lock() for _ in remote.shards]
+        self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> bytes, oldest first
+        self._leases: Counter[int] = Counter()
+        self.downloads = 0
+        self.evictions = 0
+        self._copy_index()
+        self._adopt_existing()
+        self.local = ShardDataset(
+            str(self.root), remote.manifest, LocalFileSystem(), str(self.root)
+        )
+
+    def _copy_index(self) -> None:
+        entry = self.remote.manifest.get("index", {"path": "index.arrow"})
+        target = self.root / entry["path"]
+        if target.exists() and ("bytes" not in entry or target.stat().st_size == entry["bytes"]):
+            return
+        tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex}.tmp")
+        with (
+            self.remote.fs.open(f"{self.remote.root}/{entry['path']}", "rb") as src,
+            open(tmp, "wb") as dst,
+        ):
+            while chunk := src.read(CHUNK):
+                dst.write(chunk)
+        os.replace(tmp, target)  # the local ShardDataset checks it against the manifest on open
+
+    def _adopt_existing(self) -> None:
+        """Count verified copies a previous run left (only verified files carry final names)."""
+        found = []
+        for number, entry in enumerate(self.remote.shards):
+            path = self.root / entry.path
+            if path.exists() and path.stat().st_size == entry.bytes:
+                found.append((path.stat().st_mtime, number, entry.bytes))
+        for _, number, size in sorted(found):
+            self._lru[number] = size
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._lru.values())
+
+    def cached(self, shard: int) -> bool:
+        with self._lock:
+            return shard in self._lru
+
+    @contextmanager
+    def lease(self, shard: int) -> Iterator[ShardDataset]:
+        """Make `shard` local (download + verify if needed) and keep it from eviction while the
+        block runs; yields the local dataset to read it from."""
+        with self._lock:
+            self._leases[shard] += 1
+        try:
+            self._ensure(shard)
+            yield self.local
+        finally:
+            with self._cond:
+                self._leases[shard] -= 1
+                if not self._leases[shard]:
+                    del self._leases[shard]
+                self._cond.notify_all()
+
+    def _ensure(self, shard: int) -> None:
+        with self._shard_locks[shard]:
+            with self._lock:
+                if shard in self._lru:
+                    self._lru.move_to_end(shard)
+                    return
+            entry = self.remote.shards[shard]
+            self._make_room(shard, entry.bytes)
+            done = False
+            try:
+                self._download(shard)
+                done = True
+            finally:
+                with self._cond:
+                    self._reserved -= entry.bytes
+                    if done:
+                        self._lru[shard] = entry.bytes
+                        self.downloads += 1
+                    self._cond.notify_all()
+
+    def _make_room(self, shard: int, need: int) -> None:
+        """Reserve `need` bytes for `shard`, evicting unleased LRU shards; while the only way
+        to free room is for another read or download to finish, wait for it."""
+        with self._cond:
+            while True:
+                used = sum(self._lru.values()) + self._reserved
+                if self.limit_bytes is None or used + need <= self.limit_bytes:
+                    break
+                victim = next((s for s in self._lru if s not in self._leases), None)
+                if victim is not None:
+                    del self._lru[victim]
+                    self.evictions += 1
+                    self.local.close_shard(victim)
+                    (self.root / self.remote.shards[victim].path).unlink(missing_ok=True)
+                    continue
+                others_busy = self._reserved > 0 or sum(self._leases.values()) > self._leases[shard]
+                if not others_busy:
+                    log.warning(
+                        "shard cache %s: %d bytes over its %d-byte limit while every cached shard is being read; "
+                        "raise cache_limit_bytes to at least read_threads shards",
+                        self.root, used + need - self.limit_bytes, self.limit_bytes,
+                    )  # fmt: skip
+                    break
+                self._cond.wait(timeout=1.0)
+            self._reserved += need
+
+    def _download(self, shard: int) -> None:
+        entry = self.remote.shards[shard]
+        where = f"{self.remote.url}/{entry.path}"
+        algorithm, _ = split_checksum(entry.checksum, where)
+        target = self.root / entry.path
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        hasher = new_hasher(algorithm)
+        size = 0
+        try:
+            with (
+                self.remote.fs.open(f"{self.remote.root}/{entry.path}", "rb") as src,
+                open(tmp, "wb") as dst,
+            ):
+                while chunk := src.read(CHUNK):
+                    hasher.update(chunk)
+                    dst.write(chunk)
+                    size += len(chunk)
+            got = f"{algorithm}:{hasher.hexdigest()}"
+            if size != entry.bytes or got != entry.checksum:
+                raise FormatError(
+                    f"{where}: downloaded {size} bytes with checksum {got}; the manifest says {entry.bytes} bytes, "
+                    f"{entry.checksum}. The shard is corrupted: run `packshard verify {self.remote.url}` and re-pack."
+                )
+            os.replace(tmp, target)
+        except FileNotFoundError:
+            raise FormatError(f"{where}: missing (the manifest names it)") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.debug("cached %s (%d bytes)", where, size)
+
+    def close(self) -> None:
+        self.local.close()

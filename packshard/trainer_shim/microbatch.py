@@ -1,0 +1,189 @@
+"""One packed row -> the arrays a CP rank trains on: labels, position ids, cu_seqlens, ks/ke.
+
+Conventions (the data contract the trainer, the fp8 indexer and the GPU ablation rely on):
+
+- **Labels are already shifted.** ``labels[t]`` is the target of position t: the token at
+  t+1 when t+1 is in the same document and ``loss_mask[t+1]`` is true, else -100
+  (`IGNORE_INDEX`). So the last token of every document, every padding position and the row's
+  last position hold -100, and a document's first token is never anybody's target (the label
+  "at every document start" is dropped). The loss is ``cross_entropy(logits[t], labels[t])``
+  with no shift in the trainer, which is what CP needs: a rank's last position's target lives
+  in the next rank's chunk and is already in ``labels``.
+  For a packed row this gives exactly the per-document losses: summed over the row it equals
+  the sum, over its documents, of the usual Hugging Face causal-LM loss of each document alone
+  (``labels = input_ids`` where ``loss_mask`` else -100, shifted inside the model), provided
+  attention is masked per document and position ids restart (below).
+- **num_loss_tokens** is the number of positions of the whole row with ``labels != -100``,
+  i.e. index.arrow's ``num_loss_tokens`` minus the documents whose first token had loss on
+  (equal for chat data, whose documents start with a prompt). Divide a summed loss by the sum
+  of it over the DP group to get the per-token mean.
+- **position_ids** restart at 0 at every document start; the padding at the row's end counts
+  as one more segment (0, 1, ...).
+- **cu_seqlens** (int32) are the segment boundaries of the whole row in row coordinates:
+  ``[0, end of doc 0, ..., num_tokens]``, plus ``padded_len`` when the row has padding (the
+  padding is its own segment, so ``cu_seqlens[-1]`` is always the row's length, as varlen
+  attention kernels expect).
+- **ks/ke** (int32), one per query position this rank holds, in whole-row key coordinates:
+  query at row position p of a document starting at s may attend keys ``ks <= key < ke`` with
+  ``ks = s`` and ``ke = p + 1`` (causal, inside its document). A padding position p gets the
+  empty range ``ks = ke = p``: it selects no key (the indexer returns only its sentinel).
+  `PackedShardStream` also hands out ``ks_host`` / ``ke_host``: the same ranges as CPU tensors
+  (pinned when ``ks`` / ``ke`` went to a GPU; without a device the same tensors as ``ks`` /
+  ``ke``). `kernels.fp8_indexer_topk` plans its chunks on the host
+  from them without waiting for the GPU (with ``ks`` / ``ke`` on the GPU it must copy them back
+  first, which waits for all work queued before the call).
+
+Every array is computed for the whole row, then this rank's positions are taken
+(`trainer_shim.cp`). All of it is vectorised numpy: ~15 array passes per row, no Python loop
+per token or document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from packshard.trainer_shim.cp import CpLayout, cp_slices
+
+IGNORE_INDEX = -100
+TENSOR_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens", "ks", "ke")
+
+
+def segments(doc_lens: np.ndarray, padded_len: int) -> np.ndarray:
+    """Segment lengths of the row: its documents, then the padding if any (int64)."""
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    pad = padded_len - int(doc_lens.sum())
+    if pad < 0:
+        raise ValueError(
+            f"documents hold {int(doc_lens.sum())} tokens, more than the row's {padded_len}"
+        )
+    return np.append(doc_lens, pad) if pad else doc_lens
+
+
+def cu_seqlens_of(doc_lens: np.ndarray, padded_len: int) -> np.ndarray:
+    """[0, cumulative segment ends...] as int32 (see the module docstring)."""
+    seg = segments(doc_lens, padded_len)
+    out = np.zeros(seg.size + 1, dtype=np.int32)
+    np.cumsum(seg, out=out[1:])
+    return out
+
+
+def position_ids_of(cu_seqlens: np.ndarray) -> np.ndarray:
+    """Position within its segment of every position of the row (int64)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lens = np.diff(cu)
+    return np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1], lens)
+
+
+def labels_of(input_ids: np.ndarray, loss_mask: np.ndarray, doc_lens: np.ndarray) -> np.ndarray:
+    """Shifted labels of the whole row (int64; see the module docstring)."""
+    n = input_ids.size
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    if n < 2:
+        return labels
+    valid = np.array(loss_mask[1:], dtype=np.bool_)  # target of t is token t+1
+    starts = np.cumsum(np.asarray(doc_lens, dtype=np.int64))[:-1]  # starts of docs 1..D-1
+    valid[starts[starts < n] - 1] = False  # never predict the next document's first token
+    labels[:-1][valid] = input_ids[1:][valid]
+    return labels
+
+
+def key_ranges(
+    cu_seqlens: np.ndarray, num_tokens: int, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ks, ke) int32 for the queries at `positions` (row coordinates)."""
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    pos = np.asarray(positions, dtype=np.int64)
+    seg = np.searchsorted(cu, pos, side="right") - 1
+    ks = cu[seg]
+    ke = pos + 1
+    pad = pos >= num_tokens
+    ks = np.where(pad, pos, ks)
+    ke = np.where(pad, pos, ke)
+    return ks.astype(np.int32), ke.astype(np.int32)
+
+
+def build_microbatch(
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    doc_lens: np.ndarray,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "contiguous",
+    row: int = -1,
+) -> dict[str, Any]:
+    """This CP rank's arrays of one row (numpy), plus the whole row's counts.
+
+    The same values as `labels_of`, `position_ids_of` and `key_ranges` (which tests use as the
+    plain reference), computed in fewer passes: ~10 array passes over the row in all.
+    """
+    input_ids = np.asarray(input_ids)
+    length = int(input_ids.size)
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    num_tokens = int(doc_lens.sum())
+    cu = cu_seqlens_of(doc_lens, length)
+    seg_start = np.repeat(cu[:-1], np.diff(cu))  # int32: start of each position's segment
+    arange = np.arange(length, dtype=np.int32)
+    # labels: target of t is token t+1, unless t+1 starts a document or has no loss
+    valid = np.array(loss_mask[1:], dtype=np.bool_)
+    if doc_lens.size > 1:
+        valid[cu[1 : doc_lens.size] - 1] = False
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    np.copyto(labels[:-1], input_ids[1:], where=valid)
+    num_loss_tokens = int(np.count_nonzero(valid))
+    pos_ids = arange - seg_start
+    ks = seg_start
+    ke = arange + 1
+    ks[num_tokens:] = arange[num_tokens:]  # padding: the empty range [p, p)
+    ke[num_tokens:] = arange[num_tokens:]
+    if cp_size > 1:
+        chunks = cp_slices(length, cp_size, cp_rank, cp_layout, row=row)
+        take = (
+            (lambda a: a[chunks[0]])
+            if len(chunks) == 1
+            else (lambda a: np.concatenate([a[c] for c in chunks]))
+        )
+        ids, labels, pos_ids, ks, ke = (
+            take(input_ids),
+            take(labels),
+            take(pos_ids),
+            take(ks),
+            take(ke),
+        )
+    else:
+        ids = input_ids
+    return {
+        "input_ids": ids.astype(np.int64),
+        "labels": labels,
+        "position_ids": pos_ids.astype(np.int64),
+        "cu_seqlens": cu,
+        "ks": np.ascontiguousarray(ks),
+        "ke": np.ascontiguousarray(ke),
+        "num_tokens": num_tokens,
+        "num_loss_tokens": num_loss_tokens,
+        "padded_len": length,
+        "attn_cost": int((doc_lens * doc_lens).sum()),
+        "row": row,
+    }
+
+
+def filler_microbatch(
+    length: int,
+    pad_token_id: int,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_layout: CpLayout = "contiguous",
+) -> dict[str, Any]:
+    """A row of `length` padding tokens with no loss and no true tokens (row -1)."""
+    ids = np.full(length, pad_token_id, dtype=np.int32)
+    return build_microbatch(
+        ids,
+        np.zeros(length, np.bool_),
+        np.zeros(0, np.int64),
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_layout=cp_layout,
+    )

@@ -1,0 +1,485 @@
+"""`PackedShardStream`: one per rank; yields this rank's micro-batches of a shard dataset.
+
+    stream = PackedShardStream("s3://bucket/sft-v3", dp_rank=dp_rank, dp_size=dp_size,
+                               cp_rank=cp_rank, cp_size=cp_size, rows_per_step=64,
+                               cp_layout="zigzag", device="cuda", cache_dir="/local/cache")
+    for mb in stream:            # mb["input_ids"], mb["labels"], mb["ks"], ... (microbatch.py)
+        ...                      # mb["micro_step"] == mb["num_micro_steps"] - 1: optimizer step
+    state = stream.state_dict()  # with the checkpoint; stream.load_state_dict(state) resumes
+
+What happens, per rank:
+1. At construction: manifest.json and index.arrow are read (no token data), checked against
+   the stream's configuration (seq_len, the CP layout's divisibility, every row's length), and
+   turned into row costs. Nothing else is read until iteration.
+2. A background thread walks the step plan (`planning.py`, identical on every rank) from the
+   current position, takes this rank's rows a window at a time, reads them grouped by shard
+   (one `ShardDataset.read_rows_arrays` per shard: only the record batches holding the rows, every
+   row checked against its checksum), shards in parallel over `read_threads` threads; with a
+   `cache_dir` whole shards are downloaded once, verified, and memory-mapped (`reading.py`,
+   `cache.py`).
+3. It builds each micro-batch (labels, position ids, cu_seqlens, ks/ke, the CP chunk:
+   `microbatch.py`), as CPU tensors, pinned when the device is CUDA (`ks_host` / `ke_host` keep
+   the ranges' host copies, for the indexer), into a queue of at most
+   `prefetch` micro-batches, handed over up to 8 at a time (one thread wake-up per 8, +30%
+   rows/s on busy cores). The iterator takes from the queue and copies to the device with
+   ``non_blocking=True``, so the copy overlaps the previous micro-step's compute.
+
+Errors in the thread (a corrupted row, a missing shard, a network failure) are raised by the
+iterator, in order: micro-batches read before the failure are still delivered first.
+Throughput (benchmarks/RESULTS.md): one rank serves ~2,700 shuffled 8K-token rows/s from local
+disk on a loaded 2-core machine, ~150 µs of CPU per row (~50 read + verify, ~100 building the
+micro-batch), 3.7x MosaicML streaming's raw samples there; far under a GPU micro-step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from packshard.packers import CostModel, ShardDataset
+from packshard.trainer_shim.cache import ShardCache
+from packshard.trainer_shim.cp import CP_LAYOUTS, CpLayout, check_layout, row_divisor
+from packshard.trainer_shim.microbatch import TENSOR_KEYS, build_microbatch, filler_microbatch
+from packshard.trainer_shim.planning import BALANCES, Balance, Position, StepPlan, StepPlanner
+from packshard.trainer_shim.reading import Row, RowReader
+from packshard.trainer_shim.state import StreamState, check_resume
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """The stream's settings, validated on construction (ValueError naming the field)."""
+
+    dp_rank: int
+    dp_size: int
+    rows_per_step: int
+    cp_rank: int = 0
+    cp_size: int = 1
+    seed: int = 0
+    epochs: int | None = 1
+    shuffle: bool = True
+    cp_layout: CpLayout = "contiguous"
+    balance: Balance = "cost"
+    prefetch: int = 8
+    read_threads: int = 4
+    verify: bool = True
+    seq_len: int | None = None
+    cache_limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(
+                f"PackedShardStream: {field}={getattr(self, field)!r} is invalid: {why}"
+            )
+
+        if self.dp_size < 1:
+            raise bad("dp_size", "must be >= 1")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise bad("dp_rank", f"must be in [0, dp_size={self.dp_size})")
+        if self.cp_size < 1:
+            raise bad("cp_size", "must be >= 1")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise bad("cp_rank", f"must be in [0, cp_size={self.cp_size})")
+        if self.rows_per_step < 1 or self.rows_per_step % self.dp_size:
+            raise bad("rows_per_step", f"must be a positive multiple of dp_size={self.dp_size}")
+        if self.seed < 0:
+            raise bad("seed", "must be >= 0")
+        if self.epochs is not None and self.epochs < 1:
+            raise bad("epochs", "must be >= 1, or None for endless")
+        if self.cp_layout not in CP_LAYOUTS:
+            raise bad("cp_layout", f"choose one of {sorted(CP_LAYOUTS)}")
+        if self.balance not in BALANCES:
+            raise bad("balance", f"choose one of {list(BALANCES)}")
+        if self.prefetch < 1:
+            raise bad("prefetch", "must be >= 1 (micro-batches queued ahead)")
+        if self.read_threads < 1:
+            raise bad("read_threads", "must be >= 1")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise bad("seq_len", "must be >= 1 or None")
+        if self.cache_limit_bytes is not None and self.cache_limit_bytes < 1:
+            raise bad("cache_limit_bytes", "must be >= 1 or None (unbounded)")
+
+
+def dataset_fingerprint(ds: ShardDataset) -> str:
+    """The manifest's checksum of index.arrow (it covers every row's checksum), or failing
+    that a hash of the shard checksums."""
+    index = ds.manifest.get("index", {})
+    if isinstance(index, dict) and isinstance(index.get("checksum"), str):
+        return index["checksum"]
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for s in ds.shards:
+        h.update(s.checksum.encode())
+    return f"shards-xxh3_128:{h.hexdigest()}"
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+HANDOFF = 8  # micro-batches per queue item
+
+
+class PackedShardStream:
+    """This rank's micro-batches of a packshard dataset, in step order (see the module docstring).
+
+    Each micro-batch is a dict: tensors ``input_ids``, ``labels``, ``position_ids`` (int64,
+    this rank's positions), ``cu_seqlens`` (int32, whole row), ``ks``, ``ke`` (int32, this
+    rank's queries), and ints ``num_tokens``, ``num_loss_tokens``, ``padded_len``,
+    ``attn_cost`` (whole row), ``step``, ``micro_step``, ``num_micro_steps``, ``epoch``,
+    ``row`` (index.arrow position, -1 for a filler). Conventions: trainer_shim.microbatch.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        rows_per_step: int,
+        seed: int = 0,
+        epochs: int | None = 1,
+        shuffle: bool = True,
+        cp_layout: CpLayout = "contiguous",
+        balance: Balance = "cost",
+        device: str | torch.device | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        prefetch: int = 8,
+        read_threads: int = 4,
+        seq_len: int | None = None,
+        cost_model: CostModel | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.config = StreamConfig(
+            dp_rank=dp_rank, dp_size=dp_size, rows_per_step=rows_per_step, cp_rank=cp_rank, cp_size=cp_size,
+            seed=seed, epochs=epochs, shuffle=shuffle, cp_layout=cp_layout, balance=balance, prefetch=prefetch,
+            read_threads=read_threads, verify=verify, seq_len=seq_len, cache_limit_bytes=cache_limit_bytes,
+        )  # fmt: skip
+        self.url = url
+        self.cost_model = cost_model or CostModel()
+        self.device = torch.device(device) if device is not None else None
+        self._pin = self.device is not None and self.device.type == "cuda"
+        self._handoff = min(HANDOFF, prefetch)
+        self.dataset = ShardDataset.open(url, storage_options=storage_options)
+        self._check_dataset()
+        index = self.dataset.index
+        self.costs = self.cost_model.row_costs(
+            self.dataset.index_column("num_tokens"), self.dataset.index_column("attn_cost")
+        )
+        self.planner = StepPlanner(
+            self.costs,
+            dp_size=dp_size,
+            rows_per_step=rows_per_step,
+            seed=seed,
+            shuffle=shuffle,
+            epochs=epochs,
+            balance=balance,
+        )
+        self.fingerprint = dataset_fingerprint(self.dataset)
+        self.pad_token_id = int(self.dataset.config["pad_token_id"])
+        self.pad_multiple = int(self.dataset.config["pad_multiple"])
+        self._position = Position(0, 0, 0)
+        self._micro_step = 0
+        self._generation = 0
+        self._stop: threading.Event | None = None
+        self.cache = (
+            ShardCache(
+                self.dataset, cache_dir, fingerprint=self.fingerprint, limit_bytes=cache_limit_bytes
+            )
+            if cache_dir is not None
+            else None
+        )
+        log.info(
+            "PackedShardStream %s: %d rows in %d shards, dp %d/%d cp %d/%d (%s), %d micro-steps per step, %s steps per epoch",
+            url, index.num_rows, len(self.dataset.shards), dp_rank, dp_size, cp_rank, cp_size, cp_layout,
+            self.planner.micro_steps, self.planner.steps_in_epoch(),
+        )  # fmt: skip
+
+    # ---- construction checks -------------------------------------------------------------
+
+    def _check_dataset(self) -> None:
+        cfg, ds = self.config, self.dataset
+        where = f"{self.url}/manifest.json"
+        ds_seq = int(ds.config["seq_len"])
+        if cfg.seq_len is not None and cfg.seq_len != ds_seq:
+            raise ValueError(
+                f"{where}: the dataset was packed with seq_len={ds_seq}, the stream expects seq_len={cfg.seq_len}; "
+                f"re-pack with `--seq-len {cfg.seq_len}` or construct the stream with seq_len={ds_seq}"
+            )
+        check_layout(int(ds.config["pad_multiple"]), cfg.cp_size, cfg.cp_layout, where=where)
+        ds_cp = ds.config.get("cp")
+        if ds_cp is not None and int(ds_cp) != cfg.cp_size:
+            log.info(
+                "%s was packed for cp=%s; streaming it with cp_size=%d (its rows divide as needed)",
+                self.url,
+                ds_cp,
+                cfg.cp_size,
+            )
+        if ds.num_rows == 0:
+            raise ValueError(f"{where}: the dataset has no rows")
+        padded = ds.index_column("padded_len")
+        divisor = row_divisor(cfg.cp_size, cfg.cp_layout)
+        bad = np.flatnonzero(padded % divisor)
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(
+                f"{self.url}/index.arrow: row {r} (and {bad.size - 1} more) has length {int(padded[r])}, not a multiple of "
+                f"{divisor} as cp_size={cfg.cp_size} cp_layout={cfg.cp_layout!r} needs; re-pack with `--pad-multiple {2 * cfg.cp_size}`"
+            )
+        if (padded > ds_seq).any():
+            r = int(np.flatnonzero(padded > ds_seq)[0])
+            raise ValueError(
+                f"{self.url}/index.arrow: row {r} has length {int(padded[r])} > seq_len {ds_seq}"
+            )
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    @property
+    def num_micro_steps(self) -> int:
+        """Micro-steps per step on every rank (rows_per_step / dp_size)."""
+        return self.planner.micro_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.planner.steps_in_epoch()
+
+    def __len__(self) -> int:
+        """Micro-batches left from the current position."""
+        steps = self.planner.remaining_steps(self._position)
+        if steps is None:
+            raise TypeError("an endless stream (epochs=None) has no length")
+        return steps * self.num_micro_steps - self._micro_step
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def _state(self) -> StreamState:
+        c = self.config
+        return StreamState(
+            fingerprint=self.fingerprint, num_rows=self.dataset.num_rows, seed=c.seed, shuffle=c.shuffle, epochs=c.epochs,
+            rows_per_step=c.rows_per_step, balance=c.balance,
+            cost_model=(self.cost_model.token_weight, self.cost_model.attn_weight),
+            dp_rank=c.dp_rank, dp_size=c.dp_size, cp_rank=c.cp_rank, cp_size=c.cp_size, cp_layout=c.cp_layout,
+            epoch=self._position.epoch, offset=self._position.offset, step=self._position.step, micro_step=self._micro_step,
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream is: after the last micro-batch handed out (not what was prefetched)."""
+        return self._state().to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state` (see trainer_shim.state for what may change on resume).
+        An iteration in progress is stopped; iterate the stream again to continue."""
+        saved = StreamState.from_dict(dict(state))
+        check_resume(saved, self._state())
+        if saved.micro_step >= self.num_micro_steps:
+            raise ValueError(
+                f"state's micro_step {saved.micro_step} is not below num_micro_steps {self.num_micro_steps}"
+            )
+        if saved.offset >= self.dataset.num_rows:
+            raise ValueError(
+                f"state's offset {saved.offset} is outside the dataset's {self.dataset.num_rows} rows"
+            )
+        self._stop_producer()
+        self._position = Position(saved.epoch, saved.offset, saved.step)
+        self._micro_step = saved.micro_step
+        if (saved.dp_size, saved.rows_per_step) != (self.config.dp_size, self.config.rows_per_step):
+            log.info(
+                "elastic resume at step %d (epoch %d, row offset %d): dp_size %d -> %d, rows_per_step %d -> %d",
+                saved.step, saved.epoch, saved.offset, saved.dp_size, self.config.dp_size, saved.rows_per_step,
+                self.config.rows_per_step,
+            )  # fmt: skip
+
+    # ---- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._stop_producer()
+        self._generation += 1
+        generation = self._generation
+        stop = threading.Event()
+        self._stop = stop
+        # the queue holds lists of up to HANDOFF micro-batches (one thread handoff per list, not
+        # per micro-batch: fewer wake-ups of the trainer thread), prefetch micro-batches in all
+        q: queue.Queue[Any] = queue.Queue(maxsize=max(1, self.config.prefetch // self._handoff))
+        thread = threading.Thread(
+            target=self._produce,
+            args=(self._position, self._micro_step, q, stop),
+            name="packshard-prefetch",
+            daemon=True,
+        )
+        thread.start()
+        return self._consume(q, stop, thread, generation)
+
+    def _consume(
+        self, q: queue.Queue[Any], stop: threading.Event, thread: threading.Thread, generation: int
+    ) -> Iterator[dict[str, Any]]:
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=0.5)
+                except queue.Empty:
+                    item = None
+                if generation != self._generation:
+                    raise RuntimeError(
+                        "this iteration was superseded (load_state_dict or a new iter()); iterate the stream again"
+                    )
+                if item is None:
+                    if not thread.is_alive() and q.empty():
+                        raise RuntimeError("the packshard prefetch thread ended without a result")
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                for mb, next_position in item:
+                    if generation != self._generation:
+                        raise RuntimeError(
+                            "this iteration was superseded (load_state_dict or a new iter()); iterate the stream again"
+                        )
+                    if self.device is not None:
+                        for k in TENSOR_KEYS:
+                            mb[k] = mb[k].to(self.device, non_blocking=True)
+                    if next_position is None:
+                        self._micro_step += 1
+                    else:
+                        self._position, self._micro_step = next_position, 0
+                    yield mb
+        finally:
+            stop.set()
+            thread.join(timeout=1.0)  # it stops at its next queue put; a slow read finishes alone
+
+    def _stop_producer(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        self._generation += 1
+
+    def _put(self, q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, start: Position, skip: int) -> Iterator[tuple[StepPlan, int, int]]:
+        """(plan, micro_step, global row) of this rank from `start`, skipping `skip` micro-steps."""
+        for plan in self.planner.steps(start):
+            rows = plan.rows[self.config.dp_rank]
+            for k in range(skip, rows.size):
+                yield plan, k, int(rows[k])
+            skip = 0
+
+    def _produce(
+        self, start: Position, skip: int, q: queue.Queue[Any], stop: threading.Event
+    ) -> None:
+        window = max(self.config.prefetch, self.num_micro_steps, 1)
+        reader = RowReader(
+            self.dataset,
+            cache=self.cache,
+            threads=self.config.read_threads,
+            verify=self.config.verify,
+        )
+        try:
+            pending: list[tuple[StepPlan, int, int]] = []
+            for item in self._work(start, skip):
+                pending.append(item)
+                if len(pending) >= window:
+                    if not self._emit(pending, q, stop, reader):
+                        return
+                    pending = []
+            if pending and not self._emit(pending, q, stop, reader):
+                return
+            self._put(q, _END, stop)
+        except BaseException as e:  # delivered to the consumer, in order
+            self._put(q, _Failed(e), stop)
+        finally:
+            reader.close()
+
+    def _emit(
+        self,
+        items: list[tuple[StepPlan, int, int]],
+        q: queue.Queue[Any],
+        stop: threading.Event,
+        reader: RowReader,
+    ) -> bool:
+        rows = reader.read([r for _, _, r in items if r >= 0])
+        num_rows = self.dataset.num_rows
+        chunk: list[tuple[dict[str, Any], Position | None]] = []
+        for plan, k, r in items:
+            if stop.is_set():
+                return False
+            mb = self._microbatch(r, rows.get(r))
+            mb.update(
+                step=plan.step, micro_step=k, num_micro_steps=plan.num_micro_steps, epoch=plan.epoch
+            )
+            last = k == plan.num_micro_steps - 1
+            chunk.append((mb, plan.next_position(num_rows) if last else None))
+            if len(chunk) == self._handoff:
+                if not self._put(q, chunk, stop):
+                    return False
+                chunk = []
+        return not chunk or self._put(q, chunk, stop)
+
+    def _microbatch(self, row: int, data: Row | None) -> dict[str, Any]:
+        c = self.config
+        if data is None:
+            mb = filler_microbatch(
+                self.pad_multiple,
+                self.pad_token_id,
+                cp_size=c.cp_size,
+                cp_rank=c.cp_rank,
+                cp_layout=c.cp_layout,
+            )
+        else:
+            mb = build_microbatch(
+                *data, cp_size=c.cp_size, cp_rank=c.cp_rank, cp_layout=c.cp_layout, row=row
+            )
+        for k in TENSOR_KEYS:
+            t = torch.from_numpy(mb[k])
+            mb[k] = t.pin_memory() if self._pin else t
+        # the ranges stay on the host too: the fp8 indexer plans from them without waiting for
+        # the GPU (kernels.fp8_indexer.prepare_inputs)
+        mb["ks_host"], mb["ke_host"] = mb["ks"], mb["ke"]
+        return mb
+
+    # ---- construction from the environment ------------------------------------------------------
+
+    @classmethod
+    def from_env(
+        cls, url: str, *, cp_size: int = 1, rows_per_step: int, **kwargs: Any
+    ) -> PackedShardStream:
+        """A stream whose dp/cp ranks come from torch.distributed or torchrun's environment
+        (CP innermost: rank = dp_rank * cp_size + cp_rank). See trainer_shim.topology."""
+        from packshard.trainer_shim.topology import Topology
+
+        topo = Topology.from_env(cp_size=cp_size)
+        return cls(url, **topo.as_kwargs(), rows_per_step=rows_per_step, **kwargs)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and close open shard files."""
+        self._stop_producer()
+        if self.cache is not None:
+            self.cache.close()
+        self.dataset.close()
+
+    def __enter__(self) -> PackedShardStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
