@@ -1,0 +1,51 @@
+"""redact_url / redact_text: what packshard writes or prints carries no credentials."""
+
+from __future__ import annotations
+
+import pytest
+
+from packshard.pipeline.inputs import redact_text, redact_url
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://user:PASSWORD@host/x.jsonl?sig=SECRET", "http://host/x.jsonl"),
+        ("https://h:8080/a/b.parquet?X-Amz-Signature=SECRET#frag", "https://h:8080/a/b.parquet"),
+        ("HTTPS://u:SECRET@h/x", "HTTPS://h/x"),
+        ("http://SECRET@host", "http://host"),
+        ("s3://AKIA:SECRET@bucket/a.jsonl?versionId=3", "s3://bucket/a.jsonl"),
+        ("ftp://u:SECRET@h/data/x.jsonl", "ftp://h/data/x.jsonl"),
+    ],
+)
+def test_redact_url_strips_user_info_and_query(url: str, expected: str) -> None:
+    assert redact_url(url) == expected
+    assert "SECRET" not in redact_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/tmp/data/a?b.jsonl",  # a local path (a glob) is unchanged
+        "relative/x@y.jsonl",
+        "demo://?seed=3&num_math=10",  # the generator's parameters, not a secret
+        "s3://bucket/part-?.jsonl",  # a glob character outside any key=value query
+        "s3://bucket/raw/",
+        "hf://datasets/org/name@main/train.jsonl",  # a revision, not user info
+        "abfs://container@account.dfs.core.windows.net/x.parquet",  # the container, kept
+    ],
+)
+def test_redact_url_keeps_what_is_no_secret(url: str) -> None:
+    assert redact_url(url) == url
+
+
+def test_redact_text_redacts_every_url_in_a_message() -> None:
+    msg = (
+        "input 'http://u:SECRET@h/x.jsonl?sig=SECRET' line 3: bad JSON; "
+        "also tried https://h2/y?token=SECRET, and /local/path?x"
+    )
+    out = redact_text(msg)
+    assert "SECRET" not in out
+    assert out == (
+        "input 'http://h/x.jsonl' line 3: bad JSON; also tried https://h2/y, and /local/path?x"
+    )
