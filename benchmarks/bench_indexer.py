@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import append_result, command_line, machine_description, markdown_table
+from benchmarks._results import command_line, machine_description, markdown_table, record_result
 from benchmarks.indexer_peers import SWEEP_CONFIGS, autotuned_indexer_topk, fresh_autotuned_launcher
 from packshard.kernels.fp8_indexer import (
     FIXED_CONFIG,
@@ -591,11 +591,12 @@ def main() -> None:
             json.dumps({"machine": machine_description(), "command": command_line()})
         )
     if not args.no_append:
-        append_result(BENCH_TITLE, body)
+        record_result("bench_indexer", BENCH_TITLE, body, data={"shapes": results, **extra})
 
 
 def append_bench_results(folder: Path) -> str:
-    """Append a device run's tables (DIR/indexer_bench.md + indexer_meta.json) to RESULTS.md."""
+    """Record a device run's tables (DIR/indexer_bench.md + indexer_meta.json) as
+    bench_indexer's latest result."""
     try:
         body = (folder / "indexer_bench.md").read_text()
         meta = json.loads((folder / "indexer_meta.json").read_text())
@@ -604,7 +605,9 @@ def append_bench_results(folder: Path) -> str:
             f"{folder}: no readable indexer_bench.md + indexer_meta.json ({e}); pass the --out "
             "folder of a `bench_indexer.py` run"
         ) from e
-    append_result(BENCH_TITLE, body, command=meta["command"], machine=meta["machine"])
+    record_result(
+        "bench_indexer", BENCH_TITLE, body, command=meta["command"], machine=meta["machine"]
+    )
     return body
 
 

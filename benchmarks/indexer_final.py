@@ -47,10 +47,10 @@ from typing import Any
 import torch
 
 from benchmarks._results import (
-    append_saved_result,
     command_line,
     machine_description,
     markdown_table,
+    record_saved_result,
 )
 from benchmarks.bench_indexer import (
     TOPK,
@@ -333,9 +333,9 @@ def final_markdown(result: dict[str, Any]) -> str:
 
 
 def append_final_results(path: Path) -> str:
-    """Append a final run's section (its indexer_final.json) to benchmarks/RESULTS.md."""
-    return append_saved_result(
-        path, TITLE, "indexer_final.json that `bench_indexer.py --final` wrote"
+    """Record a final run (its indexer_final.json) as bench_indexer_final's latest result."""
+    return record_saved_result(
+        path, "bench_indexer_final", TITLE, "indexer_final.json that `bench_indexer.py --final` wrote"
     )
 
 

@@ -97,12 +97,12 @@ def test_smoke_arms_agree(tmp_path: Path) -> None:
     from benchmarks.e2e_ablation.report import TITLE, append_results_file
 
     target = tmp_path / "RESULTS.md"
-    saved = results_module.RESULTS_MD
-    results_module.RESULTS_MD = target
+    saved = results_module.RESULTS_MD, results_module.HISTORY_DIR
+    results_module.RESULTS_MD, results_module.HISTORY_DIR = target, tmp_path / "history"
     try:
         append_results_file(out / "e2e_results.json")
     finally:
-        results_module.RESULTS_MD = saved
+        results_module.RESULTS_MD, results_module.HISTORY_DIR = saved
     text = target.read_text()
     assert f"## {TITLE}" in text and result["machine"] in text and "--smoke" in text
     assert "| 3: pad to x8, autotuned indexer |" in text

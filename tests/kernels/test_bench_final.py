@@ -112,6 +112,7 @@ def test_markdown_and_append_results_round_trip(tmp_path: Path, monkeypatch) -> 
         )
     )
     monkeypatch.setattr(results_module, "RESULTS_MD", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(results_module, "HISTORY_DIR", tmp_path / "history")
     assert append_final_results(saved) == md
     text = (tmp_path / "RESULTS.md").read_text()
     assert f"## {TITLE}" in text and "- machine: H200" in text and "--final" in text
@@ -140,6 +141,7 @@ def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> Non
         json.dumps({"machine": "GPU NVIDIA H200", "command": "python bench_indexer.py --out x"})
     )
     monkeypatch.setattr(results_module, "RESULTS_MD", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(results_module, "HISTORY_DIR", tmp_path / "history")
     append_bench_results(tmp_path)
     text = (tmp_path / "RESULTS.md").read_text()
     assert f"## {BENCH_TITLE}" in text and "- machine: GPU NVIDIA H200" in text
@@ -165,6 +167,7 @@ def test_probe_results_append_and_bad_files_are_refused(
         json.dumps({"markdown": "| a |\n", "command": f"python {module}.py", "machine": "H200"})
     )
     monkeypatch.setattr(results_module, "RESULTS_MD", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(results_module, "HISTORY_DIR", tmp_path / "history")
     monkeypatch.setattr(sys, "argv", [module, "--append-results", str(saved)])
     probe.main()
     text = (tmp_path / "RESULTS.md").read_text()
