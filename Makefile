@@ -1,4 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test` (see README.md).
+# `make test` is what CI runs (.ci/run): lint, type check, the whole suite, then the fast suite
+# again under the newest dependencies the pins allow on Python 3.12.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,10 +8,16 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DEMO_OUT ?= demo_out
 STAMP := $(VENV)/.installed
+# The GPU image's Python (3.12), where numpy 2.5 and the newest releases install.
+PYTHON_NEWEST ?= python3.12
+VENV_NEWEST ?= .venv-newest
+STAMP_NEWEST := $(VENV_NEWEST)/.installed
+# Type-checked packages (pyproject.toml [tool.mypy] holds the settings).
+TYPED := packshard/packers packshard/trainer_shim
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test test-suite test-newest lint typecheck format clean
 
-$(STAMP): pyproject.toml Makefile packshard/packers/_native.c
+$(STAMP): pyproject.toml Makefile $(wildcard packshard/packers/_native.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
 	$(BIN)/pip install -q "$(TORCH)"
@@ -17,21 +25,37 @@ $(STAMP): pyproject.toml Makefile packshard/packers/_native.c
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python --constraint $(VENV)/constraints.txt -e '.[all,dev]'
 	touch $@
 
+# No torch pin here: the newest torch the pins allow (a CUDA build; its tests run on the CPU).
+$(STAMP_NEWEST): pyproject.toml Makefile $(wildcard packshard/packers/_native.c)
+	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/pip install -q --upgrade pip uv
+	$(VENV_NEWEST)/bin/uv pip install -q --upgrade --python $(VENV_NEWEST)/bin/python -e '.[all,dev]'
+	touch $@
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/packshard pack --demo --output $(DEMO_OUT) --overwrite
 
-test: $(STAMP)
+test: lint typecheck test-suite test-newest
+
+test-suite: $(STAMP)
 	$(BIN)/python -m pytest
+
+test-newest: $(STAMP_NEWEST)
+	$(VENV_NEWEST)/bin/python -c "import numpy, pyarrow, transformers, torch, sys; print('newest:', sys.version.split()[0], 'numpy', numpy.__version__, 'pyarrow', pyarrow.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(VENV_NEWEST)/bin/python -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy $(TYPED)
 
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_NEWEST) $(DEMO_OUT) .pytest_cache .ruff_cache .mypy_cache
