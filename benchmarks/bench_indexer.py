@@ -13,8 +13,7 @@ causal document; a packed row of six documents):
   config, and with the other chunk-overlap mode (the fixed config runs one stream: "priority");
 - fixed / best: the fixed config's logits time over the best of `SWEEP_CONFIGS` (the wider
   sweep, benchmarks/indexer_peers.py) at that shape, both measured in the same loop;
-plus a top-k config sweep at S=64K, torch.topk over full logits at S=32K for scale, and the
-varied-row test: ten packed rows of 16K-32K tokens through the fixed config and through the
+plus torch.topk over full logits at S=32K for scale, and the varied-row test: ten packed rows of 16K-32K tokens through the fixed config and through the
 autotuned-per-length peer, tuning included.
 
 Kernels are compiled up front in parallel worker processes (each a tiny launch that fills
@@ -54,12 +53,7 @@ from packshard.kernels.fp8_indexer import (
     prepare_inputs,
 )
 from packshard.kernels.logits import WS_LAUNCH, LogitsConfig, launch_logits, triton_launch
-from packshard.kernels.topk import (
-    ONE_LAUNCH_TOPK_CONFIG,
-    SCAN_TOPK_CONFIG,
-    TopkConfig,
-    TopkWorkspace,
-)
+from packshard.kernels.topk import TopkWorkspace
 
 PROCESS_START = time.monotonic()  # --final's budget counts from here (after the imports)
 D = 128
@@ -67,18 +61,6 @@ TOPK = 2048
 SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
 HEADS = [64, 32]
 DOC_FRACTIONS = [0.30, 0.05, 0.20, 0.10, 0.25, 0.10]  # the packed row: six documents
-# Top-k kernels compared at S=64K (each with the stable torch sort; chunks on one stream): the
-# committed one-warp select (two launches, ballot positions) first, the same with the prefix-sum
-# scan it replaced (the morning's fixed top-k), without prefetched blocks, the one-launch kernel,
-# then run 2's CTA-wide select.
-TOPK_SWEEP = [
-    FIXED_CONFIG.topk,
-    SCAN_TOPK_CONFIG,
-    dataclasses.replace(FIXED_CONFIG.topk, prefetch=False),
-    dataclasses.replace(FIXED_CONFIG.topk, early_exit=False),
-    ONE_LAUNCH_TOPK_CONFIG,
-    TopkConfig(select="bitwise", rows_per_program=1, num_warps=8, block=2048),
-]
 BENCH_TITLE = "fp8 indexer (issue 5): fixed config vs sweep, top-k, varied rows"
 
 
@@ -246,7 +228,7 @@ def _warm_one(job: tuple) -> tuple[str, float]:
 
 def warm_compile(workers: int) -> list[tuple[str, float]]:
     jobs = [("logits", h, c) for h in HEADS for c in SWEEP_CONFIGS]
-    jobs += [("topk", 64, c) for c in TOPK_SWEEP]
+    jobs += [("topk", 64, FIXED_CONFIG.topk)]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
         return list(ex.map(_warm_one, jobs))
@@ -293,40 +275,6 @@ def bench_shape(s: int, h: int, packed: bool, reps: int, sweep: bool, cfg: Index
         res["best_ms"] = cfg_ms[best]
         res["fixed_over_best"] = cfg_ms[label(fixed)] / cfg_ms[best]
     return res
-
-
-def bench_topk_sweep(s: int, reps: int) -> tuple[list[list], TopkConfig]:
-    """Top-k configs at one shape (H=64 causal): select and order ms for each; and the fastest."""
-    ks, ke = row_ranges(s, packed=False)
-    q, k, w = random_row(s, 64, seed=7)
-    p = prepare_inputs(q, k, w, ks.cuda(), ke.cuda())
-    rows = []
-    first = None
-    for cfg in TOPK_SWEEP:
-        icfg = dataclasses.replace(FIXED_CONFIG, topk=cfg, overlap="none")
-        runs = []
-        for _ in range(reps + 1):
-            st = {"timing": True}
-            idx = indexer_topk_prepared(p, TOPK, icfg, stats=st)
-            runs.append(st)
-        first = idx if first is None else first
-        med = {
-            k: statistics.median(x[k] for x in runs[1:])
-            for k in ("select_ms", "order_ms", "topk_ms")
-        }
-        rows.append(
-            [
-                topk_label(cfg),
-                f"{med['select_ms']:.2f}",
-                f"{med['order_ms']:.2f}",
-                f"{med['topk_ms']:.2f}",
-                st["fallback_rows"],
-                bool(torch.equal(idx, first)),
-                cfg,
-            ]
-        )
-    best = min(rows, key=lambda r: float(r[3]))[-1]
-    return [r[:-1] for r in rows], best
 
 
 def torch_topk_reference(s: int, reps: int) -> float:
@@ -388,10 +336,6 @@ def bench_varied_rows(cfg: IndexerConfig, h: int = 64) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def label(c: LogitsConfig) -> str:
-    return c.label
-
-
-def topk_label(c: TopkConfig) -> str:
     return c.label
 
 
@@ -517,20 +461,6 @@ def main() -> None:
 
     cfg = FIXED_CONFIG  # every table below measures the committed fixed config
     body = ""
-    if not args.quick:
-        swept = guarded("top-k sweep", lambda: bench_topk_sweep(65536, args.reps))
-        if swept:
-            tk, best_topk = swept
-            body += (
-                "### Top-k configs at S=64K, H=64, causal (select kernel, then each config's"
-                " order step; one stream)\n\n"
-            )
-            body += markdown_table(
-                ["config", "select ms", "order ms", "top-k ms", "fallback rows", "same indices"], tk
-            )
-            body += f"\n\nfastest: {topk_label(best_topk)}"
-            body += f"; committed, used below: {topk_label(FIXED_CONFIG.topk)}\n\n"
-    print(body, flush=True)
     results = []
     for h in HEADS:
         for s in sizes:
@@ -548,14 +478,14 @@ def main() -> None:
                 if out:
                     (out / "indexer_shapes.json").write_text(json.dumps(results, indent=1))
     body += (
-        f"### Fixed config {label(cfg.logits)}, top-k {topk_label(cfg.topk)}, chunk overlap "
+        f"### Fixed config {label(cfg.logits)}, top-k {cfg.topk.label}, chunk overlap "
         f"{cfg.overlap}; topk {TOPK}, D 128\n\n"
         "total = wall clock of `fp8_indexer_topk` (quantize, checks, every chunk); the next column "
         "the same with the other chunk-overlap mode; logits and top-k columns are each kernel's "
         "own time on one stream\n\n"
     )
     body += shape_table(results) + "\n"
-    extra: dict = {"topk_config": topk_label(cfg.topk)}
+    extra: dict = {"topk_config": cfg.topk.label}
     if not args.quick:
         ref = guarded("torch.topk", lambda: torch_topk_reference(32768, args.reps))
         if ref is not None:

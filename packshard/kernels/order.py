@@ -1,34 +1,22 @@
 """The order step of the top-k: staging rows (key32, index) -> output indices, best first.
 
-`kernels.topk`'s select writes each row's min(topk, n) winners in index order to a [rows, K2]
+`kernels.select_kernel` writes each row's min(topk, n) winners in index order to a [rows, K2]
 staging pair (int32 key32, int32 index), padded with (INT32_MIN, sentinel). This module orders
 them under the contract (higher score first, ties by lower index):
 
-- "torch" (`finish_topk`): a stable `torch.sort` of the keys, then a gather of the indices. The
-  stability keeps index order among equal keys. H200, S=64K, H=64: 5.6 ms for 64K rows of 2048
-  (run 2); it also materialises int64 sort indices.
 - "radix" (`_radix_order_kernel`, the fixed config's): one warp a row sorts the row in shared
   memory with a stable LSD radix sort, four passes of 8-bit digits, written in inline PTX
   (`radix_order_asm`: Triton has no scatter into shared memory, and a lane's rank among the
-  lanes holding its digit needs warp ballots), and stores the first topk indices. The stability is the tie rule, as with the
-  torch sort, and nothing but the indices is written: no int64 sort indices, no copies, no
-  gather. GPU only, staging rows of 32-2048 slots; the CPU interpreter (no inline PTX) and
-  other widths run the torch sort, which gives the same indices. sm_90 (ptxas of Triton 3.9):
-  3,504 SASS instructions (1,968 with match.any), 254 registers, 18 KB of shared memory a warp
-  (8 warps an SM). H200, 16K rows of 2048: 0.43 ms with ballots (0.68 before the ballot test
-  became a predicated not), 0.85 with match.any, 1.12 for the stable torch sort + gather.
-- "bitonic" (`_order_kernel`): one Triton program a row sorts the packed int64
-  (key32 << 32 | 2^31-1-index) descending with a bitonic network and writes the low halves
-  back as indices. Real entries' packed values are distinct (distinct indices), so the order
-  is the contract's without any stability; padding slots are equal to one another and sort
-  after every real entry. sm_90 (Triton 3.6): 7,136 SASS instructions a thread of 4 warps
-  (~28.5K warp instructions a row), 64 registers; predicted 2.5-3.5 ms at S=64K.
-
-The network is `tl.sort`'s (the hypercube formulation of triton.language.standard), with the
-partner exchange done by a pair sum instead of an xor reduction: Triton's CPU interpreter runs
-xor reductions element by element in Python (98 s for a [37, 64] sort, 1.5 s with sums); on
-the GPU both are one in-thread op or one shuffle an element, and the sum compiled to 12% fewer
-instructions than `tl.sort` here.
+  lanes holding its digit needs warp ballots), and stores the first topk indices. The
+  stability is the tie rule, as with the torch sort, and nothing but the indices is written:
+  no int64 sort indices, no copies, no gather. GPU only, staging rows of 32-2048 slots; the
+  CPU interpreter (no inline PTX) and other widths run the torch sort, which gives the same
+  indices. sm_90: 3,504 SASS instructions, 254 registers, 18 KB of shared memory a warp (8
+  warps an SM). H200, 16K rows of 2048: 0.43 ms, against 1.12 ms for the stable torch sort
+  and gather.
+- "torch" (`finish_topk`): a stable `torch.sort` of the keys, then a gather of the indices.
+  The stability keeps index order among equal keys. H200, S = 64K, H = 64: 4.6-5.6 ms for
+  64K rows of 2048; it also materialises int64 sort indices.
 """
 
 from __future__ import annotations
@@ -46,80 +34,12 @@ if TYPE_CHECKING:
     from packshard.kernels.topk import TopkConfig, TopkWorkspace
 
 
-@triton.jit
-def _hypercube_bit(n_dims: tl.constexpr, j: tl.constexpr):
-    """0/1 along the j-th innermost axis of a [2] * n_dims hypercube (broadcastable)."""
-    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
-
-
-@triton.jit
-def _compare_swap(h, flip, i: tl.constexpr, n_dims: tl.constexpr):
-    """One bitonic step along the i-th innermost axis of the int64 hypercube h.
-
-    The partner of each element is (pair sum) - element: exact in wrapping int64 arithmetic.
-    `tl.sort` gets it with an xor reduction instead, which the CPU interpreter runs element by
-    element in Python (~100 s for a [37, 64] sort); a sum runs in numpy. On the GPU both are
-    one in-thread op or one shuffle per element.
-    """
-    partner = tl.sum(h, axis=n_dims - 1 - i, keep_dims=True) - h
-    right = _hypercube_bit(n_dims, i) == 1
-    return tl.where((h > partner) != (flip != right), partner, h)
-
-
-@triton.jit
-def _sort_rows_desc(x, LOG_N: tl.constexpr, N_DIMS: tl.constexpr):
-    """Sort each row of the int64 x [rows, 2**LOG_N] descending (N_DIMS = log2 of x.numel):
-    the bitonic network of `tl.sort(x, descending=True)`."""
-    h = tl.reshape(x, [2] * N_DIMS)
-    for stage in tl.static_range(1, LOG_N + 1):
-        if stage < LOG_N:
-            flip = _hypercube_bit(N_DIMS, stage) == 1  # alternating runs
-        else:
-            flip = _hypercube_bit(N_DIMS, 0) >= 0  # all true: descending
-        for i in tl.static_range(stage):
-            h = _compare_swap(h, flip, stage - 1 - i, N_DIMS)
-    return tl.reshape(h, x.shape)
-
-
-@triton.jit(do_not_specialize=["n_rows", "topk"])
-def _order_kernel(
-    skey_ptr,
-    sidx_ptr,
-    out_ptr,
-    stride_out,
-    n_rows,
-    topk,
-    ROWS: tl.constexpr,
-    K2: tl.constexpr,
-    LOG_ROWS: tl.constexpr,
-    LOG_K2: tl.constexpr,
-):
-    """Staging rows -> output indices: sort (key32, 2^31-1-index) packed in int64, descending.
-
-    Real entries' packed values are all distinct (distinct indices), so the order is the
-    contract's (higher score, then lower index) whatever the sort's stability; padding slots
-    (INT32_MIN, sentinel) equal one another and sort after every real entry. ROWS > 1 only
-    vectorises the CPU interpreter (tests).
-    """
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    live = r < n_rows
-    j = tl.arange(0, K2)[None, :]
-    src = r.to(tl.int64) * K2 + j
-    key = tl.load(skey_ptr + src, mask=live, other=0)
-    idx = tl.load(sidx_ptr + src, mask=live, other=0)
-    packed = (key.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64)
-    packed = _sort_rows_desc(packed, LOG_K2, LOG_ROWS + LOG_K2)
-    res = (2147483647 - (packed & 0xFFFFFFFF)).to(tl.int32)
-    tl.store(out_ptr + r.to(tl.int64) * stride_out + j, res, mask=live & (j < topk))
-
-
-# ----------------------------------------------------------------------------- radix order
 RADIX_MAX_K2 = 2048  # staging widths the radix order takes: 32..2048 (two registers an entry)
 _DIGIT_BITS = 8
 _BINS = 1 << _DIGIT_BITS
 
 
-def radix_order_asm(k2: int, peers: str = "ballot") -> str:
+def radix_order_asm(k2: int) -> str:
     """PTX of one warp's stable LSD radix sort of a staging row, writing the ordered indices.
 
     Operands: $0 out (unused, 0); $1 the row's key32 address, $2 its index address, $3 the
@@ -132,9 +52,9 @@ def radix_order_asm(k2: int, peers: str = "ballot") -> str:
     1. histogram of the digit in shared memory (`red.shared.add`), then an exclusive scan of
        the 256 bins across the warp (8 bins a lane, `shfl.sync.up`);
     2. for s = 0..k2/32-1 in order: the lanes holding the same digit (8 ballots, one a digit
-       bit, or `match.any.sync` with peers="match") rank themselves by lane (popc of the peers
-       below), read the bin's running offset, and the highest of them advances it; every
-       entry is stored at offset + rank. Entries keep their order within a digit: the sort is
+       bit: 0.43 ms against 0.85 with `match.any.sync` for 16K rows of 2048 on the H200) rank
+       themselves by lane (popc of the peers below), read the bin's running offset, and the
+       highest of them advances it; every entry is stored at offset + rank. Entries keep their order within a digit: the sort is
        stable, so equal keys stay in index order (the staging rows are in index order), the
        contract's tie rule;
     3. every lane reloads its entries in position order.
@@ -146,8 +66,6 @@ def radix_order_asm(k2: int, peers: str = "ballot") -> str:
         raise ValueError(
             f"radix_order_asm: k2={k2} must be a multiple of 32 in [32, {RADIX_MAX_K2}]"
         )
-    if peers not in ("match", "ballot"):
-        raise ValueError(f"radix_order_asm: peers={peers!r} must be 'match' or 'ballot'")
     n = k2 // 32
     keys = [f"%ok{s}" for s in range(n)]
     idxs = [f"%oi{s}" for s in range(n)]
@@ -227,18 +145,15 @@ def radix_order_asm(k2: int, peers: str = "ballot") -> str:
     ]
     for s in range(n):  # 2. rank and scatter, in position order
         lines.append(f"bfe.u32 %od, {keys[s]}, %oshift, {_DIGIT_BITS};")
-        if peers == "match":
-            lines.append("match.any.sync.b32 %opeer, %od, 0xffffffff;")
-        else:
-            lines.append("mov.u32 %opeer, 0xffffffff;")
-            for b in range(_DIGIT_BITS):
-                lines += [  # keep the lanes whose bit b equals this lane's
-                    f"and.b32 %ot, %od, {1 << b};",
-                    "setp.ne.u32 %op, %ot, 0;",
-                    "vote.sync.ballot.b32 %obal, %op, 0xffffffff;",
-                    "@!%op not.b32 %obal, %obal;",
-                    "and.b32 %opeer, %opeer, %obal;",
-                ]
+        lines.append("mov.u32 %opeer, 0xffffffff;")
+        for b in range(_DIGIT_BITS):
+            lines += [  # keep the lanes whose bit b equals this lane's
+                f"and.b32 %ot, %od, {1 << b};",
+                "setp.ne.u32 %op, %ot, 0;",
+                "vote.sync.ballot.b32 %obal, %op, 0xffffffff;",
+                "@!%op not.b32 %obal, %obal;",
+                "and.b32 %opeer, %opeer, %obal;",
+            ]
         lines += [
             "and.b32 %ot, %opeer, %olt;",
             "popc.b32 %orank, %ot;",
@@ -299,9 +214,9 @@ def _radix_order_kernel(
 
 
 @functools.cache
-def _radix_asm(k2: int, peers: str) -> str:
+def _radix_asm(k2: int) -> str:
     """One string object per shape (its hash is cached: it is a key of Triton's kernel cache)."""
-    return radix_order_asm(k2, peers)
+    return radix_order_asm(k2)
 
 
 def _use_radix(k2: int) -> bool:
@@ -330,17 +245,10 @@ def order_topk(
     if config.order == "radix" and _use_radix(k2) and out.stride(1) == 1:
         _radix_order_kernel[(n_rows,)](
             ws.skey, ws.sidx, out, out.stride(0), n_rows, topk,
-            K2=k2, ASM=_radix_asm(k2, config.order_peers), num_warps=1,
+            K2=k2, ASM=_radix_asm(k2), num_warps=1,
         )  # fmt: skip
         return
-    if config.order in ("torch", "radix"):
-        if out.is_contiguous():
-            finish_topk(ws, n_rows, topk, out=out)
-        else:
-            out.copy_(finish_topk(ws, n_rows, topk))
-        return
-    rows = config.rows_per_program
-    _order_kernel[(triton.cdiv(n_rows, rows),)](
-        ws.skey, ws.sidx, out, out.stride(0), n_rows, topk, ROWS=rows, K2=k2,
-        LOG_ROWS=rows.bit_length() - 1, LOG_K2=k2.bit_length() - 1, num_warps=config.order_warps,
-    )  # fmt: skip
+    if out.is_contiguous():
+        finish_topk(ws, n_rows, topk, out=out)
+    else:
+        out.copy_(finish_topk(ws, n_rows, topk))

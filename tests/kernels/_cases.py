@@ -2,44 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from packshard.kernels import IndexerConfig, TopkConfig
 
-# Small buffers so that every path of the top-k runs at test sizes: rows of n <= CAP take all
-# (CAP = 2 * next_pow2(topk), at least 16), longer rows use the sampled threshold; one program
-# handles 256 rows so that the interpreter vectorises over rows.
-SMALL_TOPK = TopkConfig(sample=64, block=64, min_cap=16, rows_per_program=256, num_warps=4)
+# The fixed top-k's structure at small sizes, so that every path runs at test sizes: rows of
+# n <= CAP take all (CAP = 2 * next_pow2(topk), at least 16), longer rows use the sampled
+# threshold; `chunk=16` makes the staging write take several steps even at CAP 16. One program
+# handles 256 rows so that the interpreter vectorises over rows, which takes the prefix-sum
+# compaction (the ballots run one row a program; the interpreter runs the scan anyway).
+SMALL_TOPK = TopkConfig(
+    sample=64, block=64, min_cap=16, rows_per_program=256, chunk=16, compact="scan"
+)
 SMALL = IndexerConfig(topk=SMALL_TOPK)
-# The one-warp select and the bitonic order (the candidates of the final H200 run), same sizes;
-# `chunk=16` makes the staging write take several steps even at CAP 16.
-SMALL_WARP_TOPK = TopkConfig(
-    sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", order="bitonic", chunk=16
-)
-SMALL_WARP = IndexerConfig(topk=SMALL_WARP_TOPK)
-# The one-warp select with the float threshold test, raw-bit candidates, prefetched blocks and
-# unmasked interior blocks.
-SMALL_FAST_TOPK = TopkConfig(
-    sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", chunk=16,
-    compare="float", prefetch=True, interior=True,
-)  # fmt: skip
-SMALL_FAST = IndexerConfig(topk=SMALL_FAST_TOPK)
-# The one-warp select as two launches (steps 1-2, then step 3 from the stored counts).
-SMALL_SPLIT = IndexerConfig(
-    topk=TopkConfig(
-        sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", chunk=16, split=True
-    )
-)
-
-
-# The fixed top-k's structure on CPU: two launches, prefetched blocks, the exact select's early
-# exit (its ballot compaction runs as the scan here: the interpreter has no inline PTX).
-SMALL_EARLY = IndexerConfig(
-    topk=TopkConfig(
-        sample=64, block=64, min_cap=16, rows_per_program=256, kernel="warp", chunk=16,
-        split=True, prefetch=True, early_exit=True,
-    )
-)  # fmt: skip
+# The same with the staging write in one step (chunk >= CAP).
+SMALL_ONE_STEP = IndexerConfig(topk=dataclasses.replace(SMALL_TOPK, chunk=512))
 
 
 def packed_ranges(doc_lens: list[int], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

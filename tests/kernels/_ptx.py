@@ -1,7 +1,6 @@
-"""A small executor for the inline PTX in `kernels.topk` and `kernels.order`, for CPU tests.
+"""A small executor for the inline PTX in `kernels.ballot` and `kernels.order`, for CPU tests.
 
-It runs one warp: 32 lanes in lockstep (the only way `vote.sync`, `match.any.sync` and
-`shfl.sync` can run), registers as numpy vectors over the lanes, predicated instructions,
+It runs one warp: 32 lanes in lockstep (the only way `vote.sync` and `shfl.sync` can run), registers as numpy vectors over the lanes, predicated instructions,
 warp-uniform branches (a divergent branch fails the test: the asm never diverges), a `.shared`
 buffer the asm declares and a global memory of named arrays. Only the instructions the asm
 uses are known; anything else fails loudly, as does a load or store outside every buffer, or
@@ -259,11 +258,6 @@ class Warp:
             assert active.all() and int(v(args[2])[0]) == _M32
             mask = int(sum(1 << lane for lane in range(LANES) if v(args[1])[lane]))
             self._put(args[0], np.full(LANES, mask), active)
-        elif op == "match.any.sync.b32":
-            assert active.all() and int(v(args[2])[0]) == _M32
-            x = v(args[1])
-            masks = [sum(1 << j for j in range(LANES) if x[j] == x[lane]) for lane in range(LANES)]
-            self._put(args[0], np.array(masks, dtype=np.uint64), active)
         elif op == "shfl.sync.up.b32":
             assert active.all() and int(v(args[4])[0]) == _M32 and int(v(args[3])[0]) == 0
             dst, pred = args[0].split("|")

@@ -1,4 +1,4 @@
-"""The ballot compaction's PTX (`kernels.topk.ballot_asm`), checked on CPU by executing it;
+"""The ballot compaction's PTX (`kernels.ballot.ballot_asm`), checked on CPU by executing it;
 the exact select's early exit against the full 32-round search.
 
 The GPU runs the PTX itself (tests/kernels/test_gpu.py pins it against the prefix sum on the
@@ -15,13 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from packshard.kernels.topk import (
-    BALLOT_BLOCKS,
-    TopkConfig,
-    _kth_largest_zeroed,
-    ballot_asm,
-    ballot_constraints,
-)
+from packshard.kernels import TopkConfig
+from packshard.kernels.ballot import BALLOT_BLOCKS, ballot_asm, ballot_constraints
+from packshard.kernels.select_kernel import _kth_largest_zeroed
 from tests.kernels._ptx import Warp
 
 _LANES = 32
@@ -66,14 +62,9 @@ def test_ballot_asm_needs_whole_runs() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"kernel": "cta", "compact": "ballot", "block": 512}, "one-warp kernel options"),
-        ({"kernel": "warp", "compact": "ballot", "block": 64}, "ballot compaction takes"),
-        (
-            {"kernel": "warp", "compact": "ballot", "block": 512, "rows_per_program": 2},
-            "one row a one-warp",
-        ),
-        ({"kernel": "warp", "compact": "prefix"}, "must be one of"),
-        ({"kernel": "cta", "early_exit": True}, "one-warp kernel options"),
+        ({"compact": "ballot", "block": 64}, "ballot compaction takes"),
+        ({"compact": "ballot", "block": 512, "rows_per_program": 2}, "one row a one-warp"),
+        ({"compact": "prefix"}, "must be one of"),
     ],
 )
 def test_ballot_config_is_checked(kwargs: dict, match: str) -> None:

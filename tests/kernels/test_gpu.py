@@ -27,14 +27,8 @@ from packshard.kernels import (
 )
 from packshard.kernels.logits import launch_logits
 from packshard.kernels.order import finish_topk, order_topk
-from packshard.kernels.topk import (
-    BALLOT_BLOCKS,
-    BALLOT_TOPK_CONFIG,
-    ONE_LAUNCH_TOPK_CONFIG,
-    SCAN_TOPK_CONFIG,
-    TopkWorkspace,
-    _ballot_positions,
-)
+from packshard.kernels.ballot import BALLOT_BLOCKS, _ballot_positions
+from packshard.kernels.topk import TopkWorkspace
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 
 pytestmark = pytest.mark.gpu
@@ -168,32 +162,21 @@ def test_256k_key_rows_run_under_the_memory_bound() -> None:
     assert torch.equal(idx, topk_rows_torch(logits, 0, ks, ke, 2048, s_k))
 
 
-# The top-k candidates of the final H200 runs (benchmarks/bench_indexer.py --final): the
-# bitonic order and the one-warp select's compaction options must give the exact answer.
-_WARP = {"kernel": "warp", "block": 512, "chunk": 512}
+# The configs of the top-k that run other code than the fixed config's on the GPU: the
+# prefix-sum compaction (the interpreter's and unaligned rows'), the torch order, the other
+# ballot block sizes and register caps; each must give the exact answer.
 TOPK_VARIANTS = {
-    "warp+bitonic": TopkConfig(**_WARP, order="bitonic"),
-    "float": TopkConfig(**_WARP, compare="float"),
-    "interior": TopkConfig(**_WARP, interior=True),
-    "prefetch": TopkConfig(**_WARP, prefetch=True),
-    "float+interior+prefetch": TopkConfig(**_WARP, compare="float", interior=True, prefetch=True),
-    "one launch": ONE_LAUNCH_TOPK_CONFIG,  # the fixed top-k before the split
-    "split 128": TopkConfig(**_WARP, split=True, compact_max_registers=128),
-    "split+float+prefetch": TopkConfig(**_WARP, split=True, compare="float", prefetch=True),
-    "scan split": SCAN_TOPK_CONFIG,  # the fixed top-k before the ballot compaction
-    "ballot, no prefetch": dataclasses.replace(FIXED_CONFIG.topk, prefetch=False),
-    "ballot, no early exit": dataclasses.replace(FIXED_CONFIG.topk, early_exit=False),
-    "ballot float + early exit": dataclasses.replace(
-        FIXED_CONFIG.topk, compare="float", early_exit=True
+    "scan compaction": dataclasses.replace(FIXED_CONFIG.topk, compact="scan"),
+    "torch order": dataclasses.replace(FIXED_CONFIG.topk, order="torch"),
+    "scan, torch order": dataclasses.replace(FIXED_CONFIG.topk, compact="scan", order="torch"),
+    "compaction at 128 registers": dataclasses.replace(
+        FIXED_CONFIG.topk, compact_max_registers=128
     ),
-    "ballot float 256": TopkConfig(**{**_WARP, "block": 256}, split=True, compact="ballot",
-                                   compare="float"),
-    "ballot float 128 prefetch": TopkConfig(**{**_WARP, "block": 128}, split=True,
-                                            compact="ballot", compare="float", prefetch=True),
-    "ballot one launch 1024": TopkConfig(**{**_WARP, "block": 1024}, compact="ballot"),
-    "ballot, torch order": BALLOT_TOPK_CONFIG,  # the fixed top-k before the radix order
-    "radix order, match.any peers": dataclasses.replace(FIXED_CONFIG.topk, order_peers="match"),
-}  # fmt: skip
+    "ballot 128": dataclasses.replace(FIXED_CONFIG.topk, block=128),
+    "ballot 256": dataclasses.replace(FIXED_CONFIG.topk, block=256),
+    "ballot 1024": dataclasses.replace(FIXED_CONFIG.topk, block=1024),
+    "chunk 128": dataclasses.replace(FIXED_CONFIG.topk, chunk=128),
+}
 
 
 @pytest.mark.parametrize("name", list(TOPK_VARIANTS))
@@ -430,7 +413,7 @@ def _ballot_probe_kernel(x_ptr, pos_ptr, base_ptr, BLOCK: tl.constexpr):
 
 @pytest.mark.parametrize("block", BALLOT_BLOCKS)
 def test_ballot_positions_equal_the_prefix_sum(block: int) -> None:
-    # pins the register layout `kernels.topk.ballot_asm` assumes for 16-byte vector loads
+    # pins the register layout `kernels.ballot.ballot_asm` assumes for 16-byte vector loads
     g = torch.Generator(device="cuda").manual_seed(block)
     for density in (0.0, 0.05, 0.5, 1.0):
         x = torch.where(torch.rand(block, device="cuda", generator=g) < density, 1.0, -1.0)
@@ -443,17 +426,16 @@ def test_ballot_positions_equal_the_prefix_sum(block: int) -> None:
         assert bool((base == 1000 + int(sel.sum())).all())
 
 
-@pytest.mark.parametrize("peers", ["match", "ballot"])
 @pytest.mark.parametrize(
     ("k2", "topk"), [(32, 20), (64, 64), (512, 300), (2048, 2048), (2048, 1500)]
 )
-def test_radix_order_equals_the_stable_torch_sort(k2: int, topk: int, peers: str) -> None:
+def test_radix_order_equals_the_stable_torch_sort(k2: int, topk: int) -> None:
     # staging rows with ties (few distinct keys), the int32 extremes, padding slots, keys that
     # share their high digits (skipped passes) and distinct random keys, row by row
     g = torch.Generator(device="cuda").manual_seed(k2 + topk)
     rows = 4096
     dev = "cuda"
-    cfg = dataclasses.replace(FIXED_CONFIG.topk, order="radix", order_peers=peers)
+    cfg = FIXED_CONFIG.topk
     ws = TopkWorkspace.allocate(rows, topk, cfg, dev)
     assert ws.skey.shape[1] == k2
     rand = torch.randint(

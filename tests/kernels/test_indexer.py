@@ -148,7 +148,9 @@ def test_chunked_equals_unchunked(device: str) -> None:
 
 # One-pass select with a 16-score sample: many rows miss their window and are flagged, so the
 # deferred exact path (logits recomputed after the last chunk) runs for rows of every chunk.
-ROUGH_TOPK = TopkConfig(sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256)
+ROUGH_TOPK = TopkConfig(
+    sample=16, block=32, min_cap=16, max_passes=1, rows_per_program=256, compact="scan"
+)
 
 
 @pytest.mark.parametrize("overlap", ["none", "stream", "priority"])

@@ -25,7 +25,7 @@ def _stable_order(key: np.ndarray, idx: np.ndarray, topk: int) -> np.ndarray:
     return idx[perm][:topk]
 
 
-def _run_asm(key: np.ndarray, idx: np.ndarray, topk: int, peers: str) -> tuple[np.ndarray, int]:
+def _run_asm(key: np.ndarray, idx: np.ndarray, topk: int) -> tuple[np.ndarray, int]:
     """The asm on one row; returns (out[:topk], instructions executed by the warp)."""
     k2 = len(key)
     mem = Memory()
@@ -33,7 +33,7 @@ def _run_asm(key: np.ndarray, idx: np.ndarray, topk: int, peers: str) -> tuple[n
     ip = mem.add(idx.astype(np.int32))
     sentinel_fill = np.full(k2 + 32, -7, dtype=np.int32)  # past topk must stay untouched
     op = mem.add(sentinel_fill)
-    warp = Warp(radix_order_asm(k2, peers), mem)
+    warp = Warp(radix_order_asm(k2), mem)
     lane = np.zeros(LANES)
     (dummy,) = warp.run([None, lane + kp, lane + ip, lane + op, lane + topk])
     assert not dummy.any()
@@ -66,7 +66,6 @@ def _row(rng: np.random.Generator, k2: int, kind: str) -> tuple[np.ndarray, np.n
     return key.astype(np.int32), idx.astype(np.int32)
 
 
-@pytest.mark.parametrize("peers", ["match", "ballot"])
 @pytest.mark.parametrize(
     ("k2", "topk", "kind"),
     [
@@ -81,10 +80,10 @@ def _row(rng: np.random.Generator, k2: int, kind: str) -> tuple[np.ndarray, np.n
         (512, 512, "mostly_equal"),
     ],
 )
-def test_radix_asm_is_the_stable_order(k2: int, topk: int, kind: str, peers: str) -> None:
+def test_radix_asm_is_the_stable_order(k2: int, topk: int, kind: str) -> None:
     rng = np.random.default_rng(k2 + topk)
     key, idx = _row(rng, k2, kind)
-    got, _ = _run_asm(key, idx, topk, peers)
+    got, _ = _run_asm(key, idx, topk)
     np.testing.assert_array_equal(got, _stable_order(key, idx, topk))
 
 
@@ -93,17 +92,15 @@ def test_radix_asm_full_width_row() -> None:
     rng = np.random.default_rng(7)
     key, idx = _row(rng, RADIX_MAX_K2, "padded")
     key[: RADIX_MAX_K2 // 4] = key[0]  # a long run of equal keys among distinct ones
-    got, steps = _run_asm(key, idx, 2048, "ballot")
+    got, steps = _run_asm(key, idx, 2048)
     np.testing.assert_array_equal(got, _stable_order(key, idx, 2048))
     equal = np.full(RADIX_MAX_K2, 99, dtype=np.int32)
-    got, skipped_steps = _run_asm(equal, idx, 2000, "ballot")
+    got, skipped_steps = _run_asm(equal, idx, 2000)
     np.testing.assert_array_equal(got, idx[:2000])
     assert skipped_steps < steps / 3
 
 
-@pytest.mark.parametrize(
-    ("k2", "peers"), [(16, "match"), (48, "match"), (4096, "match"), (64, "x")]
-)
-def test_radix_asm_rejects_unsupported_rows(k2: int, peers: str) -> None:
+@pytest.mark.parametrize("k2", [16, 48, 4096])
+def test_radix_asm_rejects_unsupported_rows(k2: int) -> None:
     with pytest.raises(ValueError, match="radix_order_asm"):
-        radix_order_asm(k2, peers)
+        radix_order_asm(k2)

@@ -21,25 +21,16 @@ from packshard.kernels import (
     reference_topk,
     topk_from_logits,
 )
-from packshard.kernels.topk import _ufloat, _ukey
 from tests.kernels._cases import (
     SMALL,
-    SMALL_EARLY,
-    SMALL_FAST,
-    SMALL_SPLIT,
+    SMALL_ONE_STEP,
     SMALL_TOPK,
-    SMALL_WARP,
-    SMALL_WARP_TOPK,
     exact_inputs,
     packed_ranges,
     random_inputs,
 )
 
-BOTH = pytest.mark.parametrize(
-    "cfg",
-    [SMALL, SMALL_WARP, SMALL_FAST, SMALL_SPLIT, SMALL_EARLY],
-    ids=["cta+torch", "warp+bitonic", "warp-fast+torch", "warp-split+torch", "warp-early+torch"],
-)
+BOTH = pytest.mark.parametrize("cfg", [SMALL, SMALL_ONE_STEP], ids=["chunk16", "one-step"])
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +42,13 @@ def kernel_logits_row(device: str) -> tuple:
     return prepare_inputs(q, k, w, ks, ke), fp8_indexer_logits(q, k, w, ks, ke).cpu()
 
 
-@pytest.mark.parametrize(
-    ("topk", "select", "kernel", "order"),
-    [
-        (8, "radix", "cta", "torch"),
-        (13, "radix", "cta", "bitonic"),
-        (8, "bitwise", "cta", "torch"),
-        (8, "bitwise", "warp", "bitonic"),
-        (13, "bitwise", "warp", "torch"),
-    ],
-)
+@pytest.mark.parametrize(("topk", "order"), [(8, "radix"), (13, "torch"), (40, "radix")])
 def test_topk_matches_reference_on_kernel_logits(
-    kernel_logits_row: tuple, topk: int, select: str, kernel: str, order: str
+    kernel_logits_row: tuple, topk: int, order: str
 ) -> None:
     p, logits = kernel_logits_row
     stats: dict = {}
-    topk_cfg = dataclasses.replace(SMALL_TOPK, select=select, kernel=kernel, order=order)
+    topk_cfg = dataclasses.replace(SMALL_TOPK, order=order)
     got = indexer_topk_prepared(p, topk, IndexerConfig(topk=topk_cfg), stats=stats)
     assert torch.equal(got.cpu(), reference_topk(logits, p.ks.cpu(), p.ke.cpu(), topk))
     assert stats["fallback_rows"] == 0  # random scores: the sampled threshold always lands
@@ -147,16 +129,12 @@ def test_padded_keys_are_never_selected(cfg: IndexerConfig, device: str) -> None
 @pytest.mark.parametrize(
     "kernel",
     [
-        {"kernel": "cta"},
-        {"kernel": "warp"},
-        {"kernel": "warp", "compare": "float", "prefetch": True, "interior": True},
-        {"kernel": "warp", "split": True},
+        {"compact": "scan"},
         # on the GPU: warp ballots (the interpreter runs the scan: same positions)
-        {"kernel": "warp", "split": True, "compact": "ballot", "compare": "float", "block": 128,
-         "rows_per_program": 1},
+        {"compact": "ballot", "block": 128, "rows_per_program": 1},
     ],
-    ids=["cta", "warp", "warp-fast", "warp-split", "warp-ballot"],
-)  # fmt: skip
+    ids=["scan", "ballot"],
+)
 def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
     # A one-pass budget and a single 16-score sample run force misses (flagged rows -> torch path); a wide
     # sample with three passes must give the same answer.
@@ -181,25 +159,10 @@ def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "fast",
-    [
-        {},
-        {"compare": "float"},
-        {"prefetch": True},
-        {"interior": True},
-        {"compare": "float", "prefetch": True, "interior": True},
-        {"split": True},
-        {"split": True, "compare": "float", "prefetch": True},
-        {"compact": "ballot", "block": 128},
-        {"split": True, "compact": "ballot", "compare": "float", "prefetch": True, "block": 128},
-    ],
-    ids=[
-        "ukey", "float", "prefetch", "interior", "float-prefetch-interior", "split", "split-fast",
-        "ballot", "split-ballot-fast",
-    ],
-)  # fmt: skip
+    "fast", [{}, {"compact": "ballot", "block": 128}], ids=["scan", "ballot"]
+)
 def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> None:
-    # The GPU geometry of the warp kernel (one row a program) and both load paths: the
+    # The GPU geometry of the select (one row a program) and both load paths: the
     # indexer's 16-aligned chunk rows (vector loads of whole 16-score groups, scores outside
     # [ks, ke) read and ignored: here +inf, which would win if selected) and an unaligned
     # 37-wide matrix (exact masks).
@@ -212,7 +175,7 @@ def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> N
     logits = torch.where(outside, torch.full_like(logits, float("inf")), logits).to(device)
     ref = reference_topk(logits[:, :37].cpu(), ks, ke, 12)
     one_row = IndexerConfig(
-        topk=dataclasses.replace(SMALL_WARP_TOPK, **{"rows_per_program": 1, "block": 16, **fast})
+        topk=dataclasses.replace(SMALL_TOPK, **{"rows_per_program": 1, "block": 16, **fast})
     )
     aligned = topk_from_logits(logits, ks.to(device), ke.to(device), 12, config=one_row)
     unaligned = topk_from_logits(
@@ -222,82 +185,29 @@ def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> N
     assert torch.equal(unaligned.cpu(), ref)
 
 
-def test_bitonic_order_equals_the_stable_sort() -> None:
-    # The order step alone: staging rows with duplicated keys (index order among them), the
-    # extreme keys and padding slots; the torch stable sort is the reference.
-    from packshard.kernels.order import finish_topk, order_topk
-    from packshard.kernels.topk import TopkWorkspace
-
-    g = torch.Generator().manual_seed(13)
-    rows, topk = 5, 12
-    cfg = dataclasses.replace(SMALL_WARP_TOPK, rows_per_program=2)
-    ws = TopkWorkspace.allocate(rows, topk, cfg, torch.device("cpu"))
-    k2 = ws.skey.shape[1]
-    keys = torch.randint(-3, 3, (rows, k2), generator=g, dtype=torch.int32)
-    keys[0, :4] = torch.tensor([2**31 - 1, -(2**31), 2**31 - 1, 0], dtype=torch.int32)
-    idx = torch.stack([torch.randperm(1000, generator=g)[:k2] for _ in range(rows)]).int()
-    idx = torch.sort(idx, dim=1).values  # staging rows are in index order
-    keys[3, 9:] = -(2**31)  # padding slots: (INT32_MIN, sentinel)
-    idx[3, 9:] = 1000
-    ws.skey.copy_(keys)
-    ws.sidx.copy_(idx)
-    out = torch.empty((rows, topk), dtype=torch.int32)
-    order_topk(ws, out, rows, topk, cfg)
-    assert torch.equal(out, finish_topk(ws, rows, topk))
-    assert out[3, 9:].tolist() == [1000] * 3
-
-
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("kernel", "block"),
-        ("order", "merge"),
-        ("order_peers", "vote"),
+        ("order", "bitonic"),
         ("warp_max_registers", 300),
         ("chunk", 24),
-        ("compare", "int"),
+        ("sample", 8),
+        ("ratio", 2.0),
+        ("max_passes", 0),
+        ("compact", "prefix"),
         ("compact_max_registers", 8),
     ],
 )
 def test_topk_config_rejects_bad_values(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"TopkConfig\.{field}"):
         TopkConfig(**{field: value})
-    with pytest.raises(ValueError, match="selects bitwise only"):
-        TopkConfig(kernel="warp", select="radix")
-    with pytest.raises(ValueError, match="one-warp kernel options"):
-        TopkConfig(kernel="cta", prefetch=True)
-    with pytest.raises(ValueError, match="one-warp kernel options"):
-        TopkConfig(kernel="cta", split=True)
 
 
-@triton.jit
-def _both_threshold_tests(x_ptr, t_ptr, out_ptr, N: tl.constexpr, M: tl.constexpr):
-    """out[i, j] = 2 * (_ukey(x_i) >= thr_j) + (x_i >= _ufloat(thr_j)), thr_j = _ukey(t_j)
-    except thr_0 = 0 (the "take everything" key)."""
-    x = tl.load(x_ptr + tl.arange(0, N))
-    thr = _ukey(tl.load(t_ptr + tl.arange(0, M)))
-    thr = tl.where(tl.arange(0, M) == 0, 0, thr)
-    by_key = _ukey(x)[:, None] >= thr[None, :]
-    by_float = x[:, None] >= _ufloat(thr)[None, :]
-    offs = tl.arange(0, N)[:, None] * M + tl.arange(0, M)[None, :]
-    tl.store(out_ptr + offs, by_key.to(tl.int32) * 2 + by_float.to(tl.int32))
-
-
-def test_float_threshold_test_equals_the_key_test(device: str) -> None:
-    # compare="float" tests x >= _ufloat(thr) instead of _ukey(x) >= thr: the same predicate for
-    # every threshold the select can make (keys of real scores, and 0 = take everything),
-    # including -0.0 against +0.0, denormals, the extremes and infinities.
-    tiny = torch.finfo(torch.float32).tiny
-    big = torch.finfo(torch.float32).max
-    vals = [0.0, -0.0, 1.0, -1.0, 1.5, -1.5, tiny, -tiny, tiny / 8, -tiny / 8, big, -big]
-    vals += [float("inf"), float("-inf"), 3e-5, -3e-5, 2.0**100, -(2.0**-100), 0.75, -0.75]
-    x = torch.tensor(vals + vals[:12], dtype=torch.float32)  # 32 values
-    got = torch.empty(32 * 32, dtype=torch.int32, device=device)
-    _both_threshold_tests[(1,)](x.to(device), x.to(device), got, N=32, M=32)
-    got = got.cpu().view(32, 32)
-    assert ((got == 0) | (got == 3)).all(), "float and key tests disagree"
-    assert (got[:, 0] == 3).all()  # threshold key 0 takes everything, -inf included
-    assert got[1, 2] == 0 and got[0, 1] == 3 and got[1, 0] == 3  # -0.0 vs 1.0, +0.0, take-all
+def test_default_topk_config_is_the_fixed_one() -> None:
+    assert TopkConfig() == FIXED_CONFIG.topk
+    assert FIXED_CONFIG.topk.label == (
+        "warp block=512 prefetch split/96r ballot early sample=2048, radix order"
+    )
 
 
 def test_threshold_sample_stays_inside_the_row(device: str) -> None:
