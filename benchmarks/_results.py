@@ -12,7 +12,6 @@ the history keeps all of them, oldest first.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import fcntl
 import json
@@ -21,7 +20,6 @@ import platform
 import re
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -241,46 +239,3 @@ def run_stamp() -> dict:
         "load": [round(x, 2) for x in os.getloadavg()],
         "command": command_line(),
     }
-
-
-def probe_main(
-    doc: str,
-    title: str,
-    script: str,
-    saved: str,
-    run: Callable[..., object],
-    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
-) -> None:
-    """The command line of a GPU diagnostic (`select_probe.py`, `logits_clock_probe.py`,
-    `indexer_timeline.py`, `logits_probe.py`, `indexer_sync.py`, `logits_ws_probe.py`):
-    `--out DIR` runs `run(DIR or None)` on the GPU and saves `saved` (a JSON with the RESULTS.md
-    section) there; `--append-results FILE` appends a fetched one here, under `title`, without
-    a GPU. `add_options` adds a probe's own options: `run(DIR or None, args)` then."""
-    import torch
-
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--out", default="", help=f"folder for {saved} and its markdown")
-    ap.add_argument("--append-results", default="", help=f"append a fetched {saved}")
-    if add_options is not None:
-        add_options(ap)
-    args = ap.parse_args()
-    if args.append_results:
-        record_saved_result(
-            args.append_results, Path(script).stem, title, f"{saved} from `{script} --out`"
-        )
-        return
-    if not torch.cuda.is_available():
-        sys.exit(f"{script} needs a CUDA GPU")
-    out = Path(args.out) if args.out else None
-    run(out) if add_options is None else run(out, args)
-
-
-def save_probe(out: Path | None, stem: str, res: dict) -> dict:
-    """A GPU diagnostic's result: `stem`.json (with the RESULTS.md section under "markdown") and
-    `stem`.md under `out` (when given), the markdown printed; returns `res`."""
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
-        (out / f"{stem}.md").write_text(res["markdown"])
-    print(res["markdown"], flush=True)
-    return res

@@ -1,7 +1,8 @@
-"""The warp-specialised logits kernel's machine code, without a GPU (issue 5 diagnostic).
+"""The warp-specialised logits kernel's machine code, without a GPU.
 
-    python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0
-    PYTHONPATH=. /tmp/t36/bin/python benchmarks/ws_sass.py [--heads 64 32] [--worker-regs 128 120]
+    .venv/bin/uv pip install --python .venv/bin/python --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=.:/tmp/t36 .venv/bin/python benchmarks/probes/ws_sass.py [--heads 64 32] \
+        [--worker-regs 128 120] [--uniform-ranges on|off] [--early-tiles on|off] [--out DIR]
 
 Compiles `kernels.logits_ws._ws_logits_kernel` for sm_90a on any machine (Triton's compiler and
 its bundled ptxas and nvdisasm; no GPU) with the fixed path's launch (`kernels.logits.WS_LAUNCH`)
@@ -9,13 +10,12 @@ at each head count and register split, and prints shared memory, ptxas's registe
 and each innermost tile loop of the SASS: instructions, QGMMA, local-memory (spill) and shared
 loads, barriers. Warpgroups 1-3's loops come first in the SASS, warpgroup 0's (the producer's)
 last. Use the Triton the device runs (3.6: Gluon's API moves between releases; the repo's
-environment may have another, which is why this is not a CI test).
+environment has another, which is why this is not a CI test).
 
-v14 found with it what the H200 then confirmed: the spills that made the early key tiles and the
-persistent kernel slow, and the register split that removes them (docs/KERNELS.md, v14, v14b).
-A change that should not touch the fixed path can be checked here first: same SASS, same loops.
-`--uniform-ranges on|off` and `--early-tiles on|off` override the fixed path's options (both on
-since v14c; off, off is v14's launch). `--out DIR` also writes each compile's PTX and SASS there.
+It finds spills before a GPU does: at H = 32 warpgroups 1-3 spill at 128 registers a thread and
+not at 120 (`WS_LAUNCH`). A change that should not touch the fixed path can be checked here
+first: same SASS, same loops. `--uniform-ranges` and `--early-tiles` override the fixed path's
+launch options (both on in `WS_LAUNCH`). `--out DIR` also writes each compile's PTX and SASS.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BACK_BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -151,76 +152,6 @@ def test_plain_run_folder_appends_to_results(tmp_path: Path, monkeypatch) -> Non
         append_bench_results(tmp_path)
 
 
-@pytest.mark.parametrize(
-    "module",
-    ["select_probe", "logits_clock_probe", "indexer_timeline", "logits_probe", "indexer_sync"],
-)
-def test_probe_results_append_and_bad_files_are_refused(
-    module: str, tmp_path: Path, monkeypatch
-) -> None:
-    import importlib
-    import sys
-
-    probe = importlib.import_module(f"benchmarks.{module}")
-    saved = tmp_path / f"{module}.json"
-    saved.write_text(
-        json.dumps({"markdown": "| a |\n", "command": f"python {module}.py", "machine": "H200"})
-    )
-    monkeypatch.setattr(results_module, "RESULTS_MD", tmp_path / "RESULTS.md")
-    monkeypatch.setattr(results_module, "HISTORY_DIR", tmp_path / "history")
-    monkeypatch.setattr(sys, "argv", [module, "--append-results", str(saved)])
-    probe.main()
-    text = (tmp_path / "RESULTS.md").read_text()
-    assert f"## {probe.TITLE}" in text and "- machine: H200" in text and "| a |" in text
-    saved.write_text("{not json")
-    with pytest.raises(ValueError, match="cannot read a saved results file"):
-        probe.main()
-
-
-def test_clock_probe_table_names_configs_and_leaves_out_cold_energy() -> None:
-    from benchmarks.logits_clock_probe import markdown
-
-    row = {"calls": 5, "logits_ms": 36.2, "tflops": 971.0, "sm_mhz": 1755.0, "power_w": 691.0,
-           "temp_c": 62.0, "reasons": "0x4"}  # fmt: skip
-    res = {
-        "date": "2026-12-03 15:14 UTC",
-        "regimes": [
-            row | {"config": "a", "regime": "cold (one call)", "j_per_pflop": float("nan")},
-            row | {"config": "b", "regime": "sustained", "j_per_pflop": 712.4},
-            row | {"regime": "sustained"},  # a saved row from before v9: no config, no energy
-        ],
-    }
-    lines = markdown(res).splitlines()
-    assert "| a | cold (one call) | 5 | 36.20 | 971 | 1755 | 691 | - |" in lines[4]
-    assert "| b | sustained | 5 | 36.20 | 971 | 1755 | 691 | 712 |" in lines[5]
-    assert lines[6].startswith("| - | sustained | 5 | 36.20 | 971 | 1755 | 691 | - |")
-
-
-def test_logits_probe_table_takes_ratios_to_the_fixed_config() -> None:
-    # every shape's ratios are to the fixed config; a variant not run at a shape (at H=32 the
-    # shared-tile configs run v8's kernel) shows "-"
-    from benchmarks.logits_probe import FIXED_NAME, V8, V9, markdown
-
-    v8, v9 = f"v8 ({V8.label})", f"v9 fixed ({V9.label})"
-    res = {
-        "date": "2026-12-04 10:00 UTC",
-        "bitwise": {"H=64 v8 (n128/k64/w4/s3)": True, "H=64 n64/k64/w4/s3/g4/abs": False},
-        "shapes": [
-            {"shape": "H=64 S=16K causal", "ms": {FIXED_NAME: 2.0, v9: 2.2},
-             "tflops": {FIXED_NAME: 1000.0, v9: 909.1}},
-            {"shape": "H=32 S=16K causal", "ms": {FIXED_NAME: 1.2, v8: 1.5},
-             "tflops": {FIXED_NAME: 900.0, v8: 720.0}},
-        ],
-    }  # fmt: skip
-    text = markdown(res)
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()}
-    assert rows[FIXED_NAME].endswith("| 2.000 (1.000), 1000 | 1.200 (1.000), 900 |")
-    assert rows[v9].endswith("| 2.200 (1.100), 909 | - |")
-    assert rows[v8].endswith("| - | 1.500 (1.250), 720 |")
-    assert rows["n64/k64/w4/s3/g4/abs"].endswith("| - | - |")
-    assert "H=64 v8 (n128/k64/w4/s3): True, H=64 n64/k64/w4/s3/g4/abs: False" in text
-
-
 def test_autotuned_peer_tunes_each_distinct_kernel_of_the_sweep_once() -> None:
     # the fixed config tunes as its large launches' form, which is v10's config: one entry
     from benchmarks.indexer_peers import SWEEP_CONFIGS, AutotunedLogits
@@ -244,18 +175,6 @@ def test_autotuned_peer_tunes_each_distinct_kernel_of_the_sweep_once() -> None:
                 )
         assert len(tuned) == len(want) < len(SWEEP_CONFIGS)
         assert {(tuple(kw.items()), w, st, r) for kw, w, st, r in tuned} == want
-
-
-def test_sync_probe_table_takes_the_difference_behind_queued_work() -> None:
-    from benchmarks.indexer_sync import markdown
-
-    ms = {"GPU, behind queued work": 6.5, "GPU, alone": 1.0, "CPU, behind queued work": 5.75,
-          "CPU, alone": 0.9}  # fmt: skip
-    res = {"date": "2026-12-04 10:00 UTC", "queued_ms": 5.01,
-           "shapes": [{"shape": "H=64 S=4K causal", "ms": ms, "same_indices": True}]}  # fmt: skip
-    text = markdown(res)
-    assert "| H=64 S=4K causal | 6.50 / 1.00 | 5.75 / 0.90 | 0.75 | True |" in text
-    assert "with 5.01 ms of GPU work queued before it" in text
 
 
 def test_event_ms_times_batches_of_back_to_back_calls(monkeypatch) -> None:
@@ -290,23 +209,6 @@ def test_event_ms_times_batches_of_back_to_back_calls(monkeypatch) -> None:
     calls.clear()
     assert bench.event_ms(fn, reps=3, warmup=1, min_sample_ms=3.0) == (0.25 + 2 * 2.0) / 2
     assert len(calls) == 1 + 1 + 3 * 2  # warmup, the batch size's call, 3 samples of 2
-
-
-def test_timeline_merges_overlaps_and_counts_idle_time() -> None:
-    from benchmarks.indexer_timeline import GAP_US, timeline
-
-    events = [
-        {"name": "quantize", "start": 100.0, "end": 150.0},
-        {"name": "logits", "start": 150.0, "end": 400.0},
-        {"name": "side", "start": 200.0, "end": 300.0},  # inside the logits: no gap
-        {"name": "select", "start": 430.0, "end": 500.0},  # 30 us idle
-        {"name": "sort", "start": 505.0, "end": 600.0},  # 5 us idle, below GAP_US
-    ]
-    t = timeline(events, wall_us=800.0)
-    assert t["gpu_span_us"] == 500.0 and t["outside_gpu_span_us"] == 300.0
-    assert t["gpu_idle_inside_us"] == 35.0
-    assert [g["before"] for g in t["gaps"]] == ["select"] and GAP_US > 5
-    assert [r["gap_us"] for r in t["kernels"]] == [0.0, 0.0, 0.0, 30.0, 5.0]
 
 
 def test_time_interleaved_warms_each_sample_and_shuffles_the_order(monkeypatch) -> None:
@@ -399,3 +301,13 @@ def test_markdown_names_configs_timed_once_with_the_fixed_config() -> None:
     md = final_markdown(result)
     assert "Timed once with the fixed config (the same kernels and arguments): " in md
     assert "H=32 S=4K causal: n128/k64/w4/s3." in md
+
+
+def test_shapes_parse_and_bad_items_are_named() -> None:
+    from benchmarks.bench_indexer import parse_shapes
+
+    assert parse_shapes("64:4096:packed, 32:8192:causal") == ((64, 4096, True), (32, 8192, False))
+    for bad in ("64:4096", "64:4k:causal", "64:4096:dense", "16:4096:causal", "32:2560:causal",
+                "32:0:packed"):  # fmt: skip
+        with pytest.raises(SystemExit, match=re.escape(f"{bad!r} is not H:S:causal|packed")):
+            parse_shapes(f"32:2048:causal,{bad}")

@@ -1,8 +1,8 @@
-"""benchmarks/ws_sass.py's SASS loop reader (the compile itself needs the device's Triton, 3.6)."""
+"""benchmarks/probes/ws_sass.py's SASS loop reader (the compile itself needs the device's Triton, 3.6)."""
 
 from __future__ import annotations
 
-from benchmarks.ws_sass import sass_loops
+from benchmarks.probes.ws_sass import sass_loops
 
 # nvdisasm -c's shape: a prologue, an outer loop with an inner tile loop (wgmma, a spill, a
 # shared load, a barrier), a loop without wgmma, and a forward branch that is not a loop
