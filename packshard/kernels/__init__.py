@@ -12,18 +12,17 @@ from packshard._extras import require_extra
 
 require_extra("kernels", "packshard.kernels (the fp8 indexer)")
 
+from packshard.kernels.chunks import plan_chunks
 from packshard.kernels.fp8_indexer import (
     FIXED_CONFIG,
     IndexerConfig,
-    PreparedInputs,
     fp8_indexer_logits,
     fp8_indexer_topk,
     indexer_topk_prepared,
-    plan_chunks,
-    prepare_inputs,
     topk_from_logits,
 )
-from packshard.kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig
+from packshard.kernels.logits_config import FIXED_LOGITS_CONFIG, LogitsConfig
+from packshard.kernels.prepare import PreparedInputs, prepare_inputs
 from packshard.kernels.quant import quantize_fp8, quantize_fp8_torch
 from packshard.kernels.reference import (
     reference_indexer_topk,

@@ -43,9 +43,16 @@ from typing import Literal
 import numpy as np
 import torch
 
-from packshard.kernels.logits import FIXED_LOGITS_CONFIG, LogitsConfig, launch_logits
+from packshard.kernels.chunks import _chunk_work, plan_chunks
+from packshard.kernels.logits import launch_logits
+from packshard.kernels.logits_config import FIXED_LOGITS_CONFIG, LogitsConfig
 from packshard.kernels.order import order_topk
-from packshard.kernels.quant import quantize_fp8
+from packshard.kernels.prepare import (
+    PreparedInputs,
+    _finite_flags,
+    _raise_unless_finite,
+    prepare_inputs,
+)
 from packshard.kernels.topk import (
     FIXED_TOPK_CONFIG,
     TopkConfig,
@@ -55,8 +62,6 @@ from packshard.kernels.topk import (
 )
 
 _EXACT_BYTES_PER_SCORE = 40  # topk_rows_torch: int64 keys, masked copy, sort values + indices
-KEY_PAD = 128  # keys padded to a multiple of this: every key tile (block_k <= 128) is whole
-COL_ALIGN = 16  # chunk key windows start and end on multiples of this (16-float rows)
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,8 @@ class IndexerConfig:
     max_chunk_bytes: int = 8 << 30  # logits + top-k workspace of the chunks in flight
     # "none": every kernel on the current stream; "stream": chunk i's top-k on a second stream
     # while chunk i+1's logits run; "priority": the same with the second stream at high
-    # priority. On the H200 (64K, H=64 causal) the overlap lost in 3 of 4 runs (51.1 ms against
-    # 48.7 serial in the last): the logits stretch from 35 to ~48 ms when the select shares
-    # their SMs (docs/KERNELS.md, v5)
+    # priority. On the H200 (64K, H=64 causal) the overlap loses in 3 of 4 runs (51.1 ms
+    # against 48.7 serial): the logits stretch from 35 to ~48 ms when the select shares their SMs
     overlap: Literal["none", "stream", "priority"] = "none"
 
     def __post_init__(self) -> None:
@@ -85,278 +89,6 @@ class IndexerConfig:
 
 
 FIXED_CONFIG = IndexerConfig()
-
-
-@dataclass
-class PreparedInputs:
-    """Quantized, padded operands in the kernels' layouts, plus host copies of ks/ke."""
-
-    q8: torch.Tensor  # [S_q * Hp, Dp] fp8
-    wq: torch.Tensor  # [S_q * Hp] fp32 = w * q_scale
-    k8: torch.Tensor  # [S_kp, Dp] fp8, S_kp a multiple of KEY_PAD
-    k_scale: torch.Tensor  # [S_kp] fp32
-    ks: torch.Tensor  # [S_q] int32, on the device
-    ke: torch.Tensor  # [S_q] int32, on the device
-    ks_host: np.ndarray = field(repr=False)  # int32 copies for chunk planning
-    ke_host: np.ndarray = field(repr=False)
-    s_q: int = 0
-    s_k: int = 0
-    heads: int = 0  # padded
-    # (q_scale, k_scale, w) not yet checked for non-finite values
-    # (`prepare_inputs(defer_finite_check=True)`): `indexer_topk_prepared` reduces them after
-    # queueing the chunks and checks the result at its final sync
-    unchecked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
-        default=None, repr=False
-    )
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _check_inputs(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor
-) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [S_q, H, D], got shape {tuple(q.shape)}")
-    s_q, h, d = q.shape
-    if k.dim() != 2 or k.shape[1] != d:
-        raise ValueError(f"k must be [S_k, D={d}], got shape {tuple(k.shape)}")
-    if tuple(w.shape) != (s_q, h):
-        raise ValueError(f"w must be [S_q={s_q}, H={h}], got shape {tuple(w.shape)}")
-    for name, x in (("ks", ks), ("ke", ke)):
-        if tuple(x.shape) != (s_q,) or x.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32 [S_q={s_q}], got {x.dtype} {tuple(x.shape)}")
-    for name, x in (("q", q), ("k", k), ("w", w)):
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be floating point (bf16 expected), got {x.dtype}")
-    devs = {x.device for x in (q, k, w)}
-    if len(devs) != 1:
-        raise ValueError(f"q, k, w must share one device, got {sorted(map(str, devs))}")
-    dev = q.device
-    if ks.device != ke.device or ks.device not in (dev, torch.device("cpu")):
-        raise ValueError(
-            f"ks and ke must both be on q's device ({dev}) or both on the CPU, got "
-            f"{ks.device} and {ke.device}"
-        )
-
-
-def _extreme(scale: torch.Tensor) -> torch.Tensor:
-    """float32 scalar: the largest scale (NaN or inf if any is), 0 for none."""
-    if scale.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=scale.device)
-    return scale.amax().float()
-
-
-def _extremes(x: torch.Tensor) -> list[torch.Tensor]:
-    """float32 scalars min and max of x (NaN if any element is), 0 and 0 for none."""
-    if x.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return [zero, zero]
-    lo, hi = torch.aminmax(x)
-    return [lo.float(), hi.float()]
-
-
-def prepare_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    ks: torch.Tensor,
-    ke: torch.Tensor,
-    *,
-    defer_finite_check: bool = False,
-) -> PreparedInputs:
-    """Validate, quantize and pad; raises ValueError on bad shapes, ranges or non-finite values.
-
-    ks and ke on the CPU (q on a GPU): the host plans from them as they are and they are
-    copied to the GPU asynchronously (from pinned memory), so nothing here waits for the GPU:
-    the call's host work runs while the GPU still works through what was queued before it.
-    ks and ke on the GPU: their copy to the host is queued first (asynchronous, into pinned
-    memory), then the quantizers, which read no ranges; the host waits for the copy, i.e. for
-    all work queued before the call, and checks the ranges (and `indexer_topk_prepared` plans
-    and queues the chunks) while the quantizers run. A bad range raises before anything reads
-    it either way. Pinned host ranges are read by their copy after this returns, and
-    `PreparedInputs.ks_host` / `ke_host` may share their memory: leave them unchanged until
-    the GPU has caught up and the prepared inputs are done with (`fp8_indexer_topk` returns
-    after both).
-    The finiteness of q, k and w is four floats on the device (`_finite_flags`): checked here
-    with one more transfer, or, with `defer_finite_check`, by `indexer_topk_prepared` at the
-    sync it makes anyway at the end (`PreparedInputs.unchecked`); a non-finite input then
-    still raises, after the (meaningless) scores were computed.
-    """
-    _check_inputs(q, k, w, ks, ke)
-    s_q, h, d = q.shape
-    s_k = k.shape[0]
-    copied = None
-    if ks.is_cuda:
-        host_t = torch.cat([ks, ke]).to("cpu", non_blocking=True)  # pinned: no sync
-        copied = torch.cuda.Event()
-        copied.record()
-    else:
-        ks_host, ke_host = np.ascontiguousarray(ks.numpy()), np.ascontiguousarray(ke.numpy())
-        if q.is_cuda:  # ranges from the host: copied up, waiting for nothing
-            ks, ke = _upload(ks, q.device), _upload(ke, q.device)
-    q8, q_scale = quantize_fp8(q)
-    k8, k_scale = quantize_fp8(k)
-    if copied is not None:
-        copied.synchronize()  # the copy only: the quantizers queued after it keep running
-        host = host_t.numpy()
-        ks_host, ke_host = host[:s_q], host[s_q:]
-    if s_q and (int(ks_host.min()) < 0 or int(ke_host.max()) > s_k):
-        t = int(np.flatnonzero((ks_host < 0) | (ke_host > s_k))[0])
-        raise ValueError(
-            f"query {t}: [ks, ke) = [{ks_host[t]}, {ke_host[t]}) leaves the keys [0, {s_k})"
-        )
-    if not defer_finite_check:
-        check_finite(_finite_flags(q_scale, k_scale, w))
-    wq = w.float() * q_scale
-    hp, dp = _next_pow2(h), max(32, _next_pow2(d))
-    s_kp = -(-s_k // KEY_PAD) * KEY_PAD
-    if hp != h or dp != d:
-        q8p = torch.zeros((s_q, hp, dp), dtype=q8.dtype, device=q.device)
-        q8p[:, :h, :d] = q8
-        wqp = torch.zeros((s_q, hp), dtype=torch.float32, device=q.device)
-        wqp[:, :h] = wq
-        q8, wq = q8p, wqp
-    if s_kp != s_k or dp != d:
-        k8p = torch.zeros((s_kp, dp), dtype=k8.dtype, device=k.device)
-        k8p[:s_k, :d] = k8
-        ksp = torch.zeros((s_kp,), dtype=torch.float32, device=k.device)
-        ksp[:s_k] = k_scale
-        k8, k_scale = k8p, ksp
-    return PreparedInputs(
-        q8=q8.reshape(s_q * hp, dp).contiguous(),
-        wq=wq.reshape(-1).contiguous(),
-        k8=k8.contiguous(),
-        k_scale=k_scale.contiguous(),
-        ks=ks.contiguous(),
-        ke=ke.contiguous(),
-        ks_host=ks_host,
-        ke_host=ke_host,
-        s_q=s_q,
-        s_k=s_k,
-        heads=hp,
-        unchecked=(q_scale, k_scale, w) if defer_finite_check else None,
-    )
-
-
-def _upload(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """CPU `x` on `device` by an asynchronous copy from contiguous pinned memory (made so here
-    unless it is, as trainer_shim's ranges are: a copy from pageable or strided memory may wait
-    for the stream)."""
-    if not (x.is_pinned() and x.is_contiguous()):
-        x = x.contiguous().pin_memory()
-    return x.to(device, non_blocking=True)
-
-
-def _finite_flags(q_scale: torch.Tensor, k_scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float32 [4] on the device: the largest q and k scales, the smallest and largest w.
-
-    The quantizers set a vector's scale to NaN or inf when it holds NaN or inf, and amax /
-    aminmax propagate both: four floats say whether q, k and w are finite (a handful of
-    kernels instead of a chain of elementwise ops and reductions a tensor)."""
-    return torch.stack([_extreme(q_scale), _extreme(k_scale), *_extremes(w)])
-
-
-def check_finite(flags: torch.Tensor) -> None:
-    """Raise ValueError unless the four extremes (q scale, k scale, min w, max w) are finite."""
-    _raise_unless_finite(flags.cpu().numpy())
-
-
-def _raise_unless_finite(extremes: np.ndarray) -> None:
-    finite = np.isfinite(extremes)
-    names = [
-        name
-        for name, ok in zip("qkw", [finite[0], finite[1], finite[2:].all()], strict=True)
-        if not ok
-    ]
-    if names:
-        raise ValueError(
-            f"non-finite values (NaN or inf) in {', '.join(names)}: the indexer refuses them"
-        )
-
-
-def plan_chunks(
-    ks: np.ndarray,
-    ke: np.ndarray,
-    s_kp: int,
-    extra_per_row: int,
-    max_chunk_bytes: int,
-    align: int = 64,
-) -> list[tuple[int, int, int, int]]:
-    """Query chunks (row0, row1, col0, width) whose logits + workspace fit max_chunk_bytes.
-
-    Pure function of the ranges: a chunk's key window is [col0, col0 + width), col0 the smallest
-    ks of its non-empty rows rounded down to 16 and width padded to 16. The chunks tile the rows
-    in order, each a multiple of `align` rows (whole query blocks) but the last, at least
-    `align` even if that exceeds the bound. Sized by their windows, not by all s_kp keys: every
-    chunk holds at most R rows, and the largest chunk's logits (rows x width floats) plus R
-    rows of workspace (`extra_per_row` bytes each: what the buffers, reused across chunks,
-    take) fit the bound. R is the rows that s_kp-wide rows fit (every chunk's window then fits)
-    or a power-of-two multiple of it, whichever plans the fewest chunks (the smallest on a tie):
-    fewer, larger launches leave fewer idle last waves (the 128K packed row on the H200: 981
-    TFLOP/s in 10 chunks of all keys, 1031 in 3 under a 32 GiB bound, benchmarks/chunk_probe.py;
-    1003 in the 5 chunks of its windows under the default 8 GiB).
-    """
-    # Planned in int64 whatever the ranges' dtype (the shim's `ks_host` is int32): the empty-row
-    # sentinel below is int64's max, which an int32 array can neither hold nor compare against.
-    ks, ke = np.asarray(ks, dtype=np.int64), np.asarray(ke, dtype=np.int64)
-    n = len(ks)
-    if n == 0:
-        return []
-    starts = np.arange(0, n, align)
-    live = ke > ks  # empty rows do not widen a chunk's key window
-    none = np.iinfo(np.int64).max
-    if live.all():  # the common case: two reductions, no masked copies
-        lo, hi = np.minimum.reduceat(ks, starts), np.maximum.reduceat(ke, starts)
-    else:
-        lo = np.minimum.reduceat(np.where(live, ks, none), starts)
-        hi = np.maximum.reduceat(np.where(live, ke, -1), starts)
-    ends = np.minimum(starts + align, n)
-    r0 = max(align, (max_chunk_bytes // (4 * s_kp + extra_per_row)) // align * align)
-    best = _plan_greedy(lo, hi, starts, ends, r0, extra_per_row, max_chunk_bytes, none, n)
-    cap = r0 * 2
-    while len(best) > 1 and cap < 2 * n and 2 * cap * extra_per_row <= max_chunk_bytes:
-        plan = _plan_greedy(
-            lo, hi, starts, ends, cap, extra_per_row, max_chunk_bytes, none, len(best) - 1
-        )
-        if plan is not None:
-            best = plan
-        cap *= 2
-    return best
-
-
-def _plan_greedy(
-    lo: np.ndarray,
-    hi: np.ndarray,
-    starts: np.ndarray,
-    ends: np.ndarray,
-    cap: int,
-    extra_per_row: int,
-    max_chunk_bytes: int,
-    none: int,
-    limit: int,
-) -> list[tuple[int, int, int, int]] | None:
-    """`plan_chunks` at a row cap: from each block, as many blocks as keep the chunk within
-    `cap` rows and its logits within the bound less `cap` rows of workspace; None past `limit`
-    chunks."""
-    logits_bytes = max_chunk_bytes - cap * extra_per_row
-    chunks: list[tuple[int, int, int, int]] = []
-    i, nb = 0, len(starts)
-    while i < nb:
-        if len(chunks) == limit:
-            return None
-        j = int(np.searchsorted(ends, starts[i] + cap, side="right"))  # blocks within the cap
-        j = max(j, i + 1)
-        a = np.minimum.accumulate(lo[i:j])
-        b = np.maximum.accumulate(hi[i:j])
-        col0 = np.where(a == none, 0, a // COL_ALIGN * COL_ALIGN)
-        width = np.where(a == none, COL_ALIGN, -(-(b - col0) // COL_ALIGN) * COL_ALIGN)
-        need = 4 * (ends[i:j] - starts[i]) * width  # nondecreasing along the blocks
-        m = max(1, int(np.searchsorted(need, logits_bytes, side="right")))
-        chunks.append((int(starts[i]), int(ends[i + m - 1]), int(col0[m - 1]), int(width[m - 1])))
-        i += m
-    return chunks
 
 
 def indexer_topk_prepared(
@@ -450,17 +182,6 @@ def indexer_topk_prepared(
         stats["fallback_rows"] = stats.get("fallback_rows", 0) + fallback
         stats["chunks"] = stats.get("chunks", 0) + len(chunks)
     return out
-
-
-def _chunk_work(
-    ks: np.ndarray, ke: np.ndarray, chunks: list[tuple[int, int, int, int]]
-) -> list[int]:
-    """In-range (query, key) pairs of each chunk (rows [r0, r1)): what its logits and its
-    select cost. The chunks tile the rows in order (`plan_chunks`)."""
-    if not chunks:
-        return []
-    starts = np.array([c[0] for c in chunks])
-    return np.add.reduceat(np.maximum(ke - ks, 0), starts, dtype=np.int64).tolist()
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The warp-specialised logits kernel (Gluon, sm_90 only): the fixed config's launches of 2^28
-scores and more (`LogitsConfig.ws_min_scores`; H = 64 since v13, H = 32 since v14).
+scores and more at H = 64 and 32 (`LogitsConfig.ws_min_scores`, `kernels.logits.WS_LAUNCH`).
 
 The same scores as `kernels.logits` (`score[t, s] = k_scale[s] * sum_h wq[t, h] *
 relu(q8[t, h] . k8[s])`, written in range only, same operands and output rules), computed by
@@ -17,43 +17,31 @@ one CTA of four warpgroups that share every key tile:
 - Warpgroup 0 also issues the loads: at tile i it refills the buffer of tile i - LAG (once all
   warpgroups are done with it) with tile i + STAGES - LAG, so STAGES - LAG tiles are in flight
   ahead of it. A loader warp of its own would need registers the four warpgroups use up.
-- The epilogues (`EPILOGUES`). "banks" (the fixed config's, v13): the 128 columns as two
-  64-column wgmmas issued together; the first's relu(x) * w is summed over each lane's heads
-  (x + |x| with half weights, one chain a (key, query)) while the second runs, then the
-  second's; the four lanes' partial sums of a score meet in one thread through a shared-memory
-  transpose (`STS.128` + `LDSM`), which adds them and stores one score. Another summation
-  order than the Triton kernel's: equal to fp32 rounding, not bitwise. "convert" and "direct"
-  (v12): one 128-column wgmma, waited for, then the Triton kernel's head sum (bitwise its
-  scores), stored one score a thread after a layout conversion, or the four a thread holds
-  (duplicated across a lane quad, three of four stores predicated off).
+- The epilogues (`EPILOGUES`). "banks" (the fixed path's): the 128 columns as two 64-column
+  wgmmas issued together; the first's relu(x) * w is summed over each lane's heads (x + |x|
+  with half weights, one chain a (key, query)) while the second runs, then the second's; the
+  four lanes' partial sums of a score meet in one thread through a shared-memory transpose
+  (`STS.128` + `LDSM`), which adds them and stores one score. Another summation order than
+  the Triton kernel's: equal to fp32 rounding, not bitwise. "convert" and "direct": one
+  128-column wgmma, waited for, then the Triton kernel's head sum (bitwise its scores), stored
+  one score a thread after a layout conversion, or the four a thread holds (duplicated across
+  a lane quad, three of four stores predicated off).
 
-Measured on the H200 (`benchmarks/logits_ws_probe.py`, v12 and v13 in docs/KERNELS.md),
-against the Triton fixed config in the same run: the banks (4 stages, lag 1) 0.94-0.99 on H=64
-causal rows from 8K keys, 0.96-1.02 on packed rows from 16K, 1.03-1.04 on 8K packed rows and
-1.6-1.8 on 4K packed ones; 1.13-1.14 at H = 32 with 128 registers a thread, where ptxas
-spills; with 120 for warpgroups 1-3 and 152 for warpgroup 0 (`worker_regs`, v14) nothing
-spills and H = 32 takes 0.90-0.98 of the Triton config's time from 8K rows. Nsight Compute
-at 16K causal, H = 64: tensor pipe 59% (Triton 58%, "convert" 56%), 8.3 cycles between a warp's
-instructions with 16 warps. v12's "convert": 0.97-0.99 at H = 64 128K, 0.88-1.01 on H = 32
-causal rows, up to 8% slower elsewhere. A persistent form, two warpgroups a CTA (3-10%
-slower, and with the converted store and 5-6 ring stages wrong, run-to-run different scores:
-removed; the launcher allows 3-4 stages only), 64-column accumulators with tiles in pairs,
-the first key tiles issued before the partitions start and the key tile in registers for
-both banks (register-A wgmma) were all slower and are gone. v14 (docs/KERNELS.md): a persistent
-banks kernel with blocks from an atomic counter (bitwise these scores; 1.03-1.08x this kernel's
-time from 16K at H=64: its tile loop is heavier and a block change costs more than a CTA
-launch) and the producer's work rotated over the four warpgroups (within 1% at H=64): gone
-too; the persistent kernel is in commit 1a8c3bc. The first key tiles issued under the queries'
-TMA were 1.04-1.13x at 128 registers, where warpgroup 0 spills, and a wash with the register
-split. v14c issues them again (`early_tiles`) together with a warp-uniform key range
-(`uniform_ranges`, which removes the spills and 15 instructions a tile from warpgroup 0's
-loop): 0.94-0.98 of v14's launch time from 16K rows and 0.92-0.96 at 8K on the H200 (at
-H = 64 0.93-0.94 of the Triton fixed config's time from 16K rows, at H = 32 0.90-0.93), in
-the fixed path since (`kernels.logits.WS_LAUNCH`).
+Measured on the H200 against the Triton fixed config in the same run, with the fixed path's
+launch (`WS_LAUNCH`: banks, 4 stages, lag 1, warp-uniform key ranges, the first key tiles
+issued under the queries' TMA): 0.92-0.95 of its time at H = 64 and 0.86-0.93 at H = 32 from
+16K rows, 1.03-1.04 on 8K packed rows and 1.6-1.8 on 4K ones (hence the 2^28-score
+threshold). At H = 32 warpgroups 1-3 take 120 registers a thread and warpgroup 0 152
+(`worker_regs`): at 128 ptxas spills. "convert": 0.97-0.99 at H = 64 128K, 0.88-1.01 on H = 32
+causal rows, up to 8% slower elsewhere. Nsight Compute at 16K causal, H = 64: tensor pipe 59%
+(Triton 58%, "convert" 56%), 8.3 cycles between a warp's instructions with 16 warps.
+docs/kernels-history.md has the forms that lost (a persistent kernel, two warpgroups a CTA,
+64-column accumulators, register-A wgmma, a rotating producer).
 
 `launch_logits_ws` takes the arguments of `kernels.logits.launch_logits`. Needs Triton's Gluon
 with Hopper warp specialisation (Triton 3.6 on the device) and an sm_90 GPU;
-`kernels.logits.LogitsConfig.runs_warp_specialised` says when the fixed path launches it.
+`kernels.logits_config.LogitsConfig.runs_warp_specialised` says when the fixed path launches
+it. `benchmarks/probes/ws_sass.py` compiles it to SASS without a GPU.
 """
 
 from __future__ import annotations
@@ -176,7 +164,7 @@ def _warp_uniform(x):
     the partitions receive from the kernel's first warps is the same in every lane; after the
     shuffle it keeps what the tile loop computes from it (key offsets, ring indices, the TMA
     coordinates) in uniform registers: warpgroup 0's loop 230-231 SASS instructions a tile
-    instead of 244-246, and no spills at 128 registers (`benchmarks/ws_sass.py`, v14c)."""
+    instead of 244-246, and no spills at 128 registers (`benchmarks/probes/ws_sass.py`)."""
     return gl.inline_asm_elementwise(
         "shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [x], dtype=gl.int32, is_pure=True,
         pack=1,
@@ -364,7 +352,7 @@ def _check_launch(q8, wq, k8, k_scale, ks, ke, out, heads, row0, n_rows, col0, s
         raise ValueError(f"{where}: heads={heads}: must be 32 or 64")
     if stages not in (3, 4) or not 1 <= lag < stages:
         # two warpgroups a CTA with 5-6 stages wrote wrong, run-to-run different scores on the
-        # H200 (v12 in docs/KERNELS.md; cause not found): only what passed is allowed
+        # H200 (cause not found): only what passed the GPU tests is allowed
         raise ValueError(
             f"{where}: stages={stages}, lag={lag}: need stages 3 or 4, 1 <= lag < stages"
         )
@@ -423,8 +411,8 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
     producer, gets the rest of the register file: 152 for 120; bitwise the same scores).
     `uniform_ranges` passes the CTA's key range through a lane-0 shuffle (`_warp_uniform`), and
     `early_tiles` has warpgroup 0 issue the first key tiles before the queries' TMA has landed:
-    bitwise the same scores either way; the fixed path's launch takes both (v14c in
-    docs/KERNELS.md), while both default to off here. The fixed path's launch is
+    bitwise the same scores either way; the fixed path's launch takes both, while both
+    default to off here. The fixed path's launch is
     `kernels.logits.WS_LAUNCH`, not these defaults."""
     qbox, meta = kernel_meta(
         heads, stages=stages, lag=lag, epilogue=epilogue, start_align=start_align,
@@ -441,7 +429,7 @@ def launch_logits_ws(q8, wq, k8, k_scale, ks, ke, out, *, heads, row0, n_rows, c
 
 def run_kernel(q_desc, k_desc, k_scale, wq, ks, ke, out, row0, n_rows, col0, meta):
     """The kernel launch itself, from the TMA descriptors and `kernel_meta`'s constexprs (what
-    `launch_logits_ws` does after its checks; `logits_ws_probe.host_breakdown` times it alone)."""
+    `launch_logits_ws` does after its checks, apart so that a benchmark can time it alone)."""
     return _ws_logits_kernel[(triton.cdiv(n_rows, meta["QUERIES"]),)](
         q_desc, k_desc, k_scale, wq, ks, ke, out, row0, n_rows, col0, out.stride(0), **meta
     )
@@ -451,12 +439,12 @@ def kernel_meta(heads: int, *, stages: int, lag: int, epilogue: str, start_align
                 worker_regs: int, uniform_ranges: bool, early_tiles: bool) -> tuple[int, dict]:  # fmt: skip
     """(the queries' TMA box rows, `_ws_logits_kernel`'s constexprs and launch options) of a
     `launch_logits_ws` launch, its keyword arguments checked: the one place the launcher and
-    `benchmarks/ws_sass.py` (which compiles the kernel without a GPU) take them from."""
+    `benchmarks/probes/ws_sass.py` (which compiles the kernel without a GPU) take them from."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"launch_logits_ws: epilogue={epilogue!r}: one of {list(EPILOGUES)}")
     if start_align not in (16, BLOCK_K):
         raise ValueError(f"launch_logits_ws: start_align={start_align}: 16 or {BLOCK_K}")
-    if worker_regs not in (120, 128):  # what the H200 runs measured (v14)
+    if worker_regs not in (120, 128):  # what the H200 runs measured
         raise ValueError(f"launch_logits_ws: worker_regs={worker_regs}: 120 or 128")
     queries = queries_per_cta(heads)
     meta = {
