@@ -348,7 +348,7 @@ def _pack(
         )
     manifest = finalize_dataset(
         fs, root, config, [r.record for r in ordered], merged["totals"],
-        extra={"skipped_examples": merged["examples"], "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3)}},
+        extra={"skipped_examples": merged["examples"], "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3), "nodes": scheduler.node_summary()}},
     )  # fmt: skip
     remove_job_state(fs, root)
     phase("committed index.arrow and manifest.json")

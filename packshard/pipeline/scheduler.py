@@ -258,8 +258,29 @@ class Scheduler:
             iv.cursor = self._block_of(iv.frontier)
         self.todo = self._blocks_to_tokenize()
         self.error: tuple[int, str] | None = None
+        self.nodes: dict[str, dict[str, int]] = {}  # node id -> tasks run there, by kind
+        for result in kept.values():
+            self._ran(result.node, "check")
 
     # ---- helpers -----------------------------------------------------------------------
+
+    def _ran(self, node: str, kind: str) -> None:
+        counts = self.nodes.setdefault(node, {"tokenize": 0, "pack": 0, "check": 0})
+        counts[kind] += 1
+
+    def node_summary(self) -> list[dict[str, Any]]:
+        """The nodes that ran this job's tasks (the manifest's ``job.nodes``): node id, its
+        address and name as the cluster knows them, and how many tasks of each kind ran there."""
+        known = {n["NodeID"]: n for n in ray.nodes()} if ray.is_initialized() else {}
+        return [
+            {
+                "node_id": node,
+                "address": known.get(node, {}).get("NodeManagerAddress", ""),
+                "name": known.get(node, {}).get("NodeName", ""),
+                "tasks": dict(counts),
+            }
+            for node, counts in sorted(self.nodes.items())
+        ]
 
     def _block_of(self, sample_id: int) -> int:
         return int(np.searchsorted(self.block_firsts, sample_id, side="right") - 1)
@@ -279,6 +300,8 @@ class Scheduler:
         return sum(self.blocks[b].size for b in self.todo)
 
     def _submit_tokenize(self) -> None:
+        if self.error is not None:  # blocks after a bad record cannot hold an earlier one
+            return
         while self.todo and len(self.pending_tok) < self.workers:
             if (
                 self.order is None
@@ -293,12 +316,28 @@ class Scheduler:
             )
             self.pending_tok[meta_ref] = (b, data_ref)
 
+    def _fail_at(self, sample_id: int, message: str) -> None:
+        """Note an error at `sample_id`; the earliest one in input order is the one raised."""
+        if self.error is None or sample_id < self.error[0]:
+            self.error = (sample_id, message)
+
+    def _error_is_first(self) -> bool:
+        """True once no block still tokenizing can hold a record before the noted error (the
+        blocks before it were submitted first, so they are either known or in flight)."""
+        assert self.error is not None
+        sid = self.error[0]
+        return all(self.blocks[b].first_id >= sid for b, _ in self.pending_tok.values())
+
     def _on_meta(self, b: int, meta: BlockMeta, data_ref: Any) -> None:
         blk = self.blocks[b]
+        self._ran(meta.node, "tokenize")
         if meta.examples and not self.spec.skip_bad_records:
             sid, location, reason, detail = meta.examples[0]
-            if self.error is None or sid < self.error[0]:
-                self.error = (sid, f"{location}: {reason}: {detail}")
+            self._fail_at(
+                sid,
+                f"{location}: {reason}: {detail}\n(pass --skip-bad-records to skip such records "
+                "and count them in the manifest)",
+            )
         self.contrib[blk.first_id : blk.end_id] = contributions(
             meta.lengths, self.spec.seq_len, self.spec.overlong
         )  # type: ignore[arg-type]
@@ -407,20 +446,27 @@ class Scheduler:
                 if ref in self.pending_tok:
                     b, data_ref = self.pending_tok.pop(ref)
                     blk = self.blocks[b]
-                    meta = _get(
-                        ref,
-                        f"tokenizing {self.files[blk.file].url} records {blk.start + 1}-{blk.stop}",
-                    )
+                    try:
+                        meta = _get(
+                            ref,
+                            f"tokenizing {self.files[blk.file].url} records {blk.start + 1}-{blk.stop}",
+                        )
+                    except JobError as e:  # raised once no earlier block can hold a bad record
+                        self._fail_at(blk.first_id, str(e))
+                        continue
                     self._on_meta(b, meta, data_ref)
                 else:
                     plan = self.pending_pack.pop(ref)
                     result = _get(ref, f"writing shard {plan.number}")
                     self.results[plan.number] = result
+                    self._ran(result.node, "pack")
                     self.progress.written(result)
             if self.error is not None:
-                raise JobError(
-                    f"{self.error[1]}\n(pass --skip-bad-records to skip such records and count them in the manifest)"
-                )
+                # The first bad record in input order, whatever the timing: wait for the blocks
+                # before it (no new work is started meanwhile), then raise.
+                if self._error_is_first():
+                    raise JobError(self.error[1])
+                continue
             if ready:
                 self._plan()
                 self._release()

@@ -95,6 +95,7 @@ class BlockMeta:
     loss_tokens: int
     seconds: float
     examples: list[tuple[int, str, str, str]]
+    node: str = ""  # the Ray node that tokenized it ("" outside Ray)
 
 
 @dataclass
@@ -105,6 +106,14 @@ class ShardResult:
     record: ShardRecord
     counters: dict[str, Any]
     kept: bool = False
+    node: str = ""  # the Ray node that wrote (or checked) it ("" outside Ray)
+
+
+def current_node() -> str:
+    """The id of the Ray node this process runs on ("" when Ray is not initialized here)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
 class ShardVerifyError(OSError):
@@ -210,6 +219,7 @@ def tokenize_block(
         int(mask.sum()),
         time.perf_counter() - t0,
         examples,
+        current_node(),
     )
     return meta, data
 
@@ -329,7 +339,7 @@ def pack_shard(
             "config_digest": spec.config_digest,
         },
     )
-    return ShardResult(plan, record, counters)
+    return ShardResult(plan, record, counters, node=current_node())
 
 
 def _examples_in(blocks: tuple[BlockData, ...], ids: np.ndarray) -> list[list[Any]]:
@@ -415,4 +425,4 @@ def check_shard(spec: WorkSpec, marker: Mapping[str, Any]) -> ShardResult | str:
         },
         index=index,
     )
-    return ShardResult(plan, record, dict(marker["counters"]), kept=True)
+    return ShardResult(plan, record, dict(marker["counters"]), kept=True, node=current_node())

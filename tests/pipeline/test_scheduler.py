@@ -1,0 +1,108 @@
+"""The pack job's driver loop (`pipeline.scheduler`) on a real local Ray (2 CPUs, one per module):
+the error names the first bad record in input order whatever the worker count and the order in
+which tokenize tasks finish, and the manifest records the nodes that ran the tasks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from packshard.pipeline.pack import main, start_local_ray
+
+pytestmark = [pytest.mark.ray]
+
+GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+BAD = {"messages": []}  # empty_conversation
+# file -> 1-based lines holding a bad record; the first in input order is a.jsonl line 27
+BAD_AT = {"a.jsonl": (27, 50), "b.jsonl": (5, 40), "c.jsonl": (12,)}
+LINES = 60
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    start_local_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> Path:
+    d = tmp_path / "in"
+    d.mkdir()
+    for name, bad in BAD_AT.items():
+        rows = [BAD if n in bad else GOOD for n in range(1, LINES + 1)]
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture
+def last_finished_first(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`ray.wait` that hands the driver the most recently submitted of the ready tasks first
+    (the adversarial order: later blocks seen before earlier ones); returns a list that counts
+    the calls in which more than one task was ready (so the order was really reversed)."""
+    import ray
+
+    real_wait = ray.wait
+    reversed_calls: list[int] = []
+
+    def wait(refs: list[Any], *, num_returns: int = 1, timeout: float | None = None, **kw: Any):
+        ready, _ = real_wait(refs, num_returns=len(refs), timeout=timeout, **kw)
+        if len(ready) > 1:
+            reversed_calls.append(len(ready))
+        chosen = ready[-1:] if ready else []
+        return chosen, [r for r in refs if r not in chosen]
+
+    monkeypatch.setattr(ray, "wait", wait)
+    return reversed_calls
+
+
+def _args(inp: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--input", str(inp), "--output", str(out), "--tokenizer", "packshard:demo",
+        "--seq-len", "1024", "--cp", "8", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_the_error_names_the_first_bad_record_in_input_order(
+    ray_local, inputs: Path, tmp_path: Path, capsys, last_finished_first: list[int], workers: int
+):
+    out = tmp_path / "out"
+    assert main(_args(inputs, out, "--num-workers", str(workers))) == 1
+    err = capsys.readouterr().err
+    assert f"{inputs / 'a.jsonl'}:line 27: empty_conversation" in err, err
+    assert err.count("empty_conversation") == 1 and "--skip-bad-records" in err
+    assert not (out / "manifest.json").exists()
+    if workers > 1:  # blocks of 60 small records: several finished together, the later first
+        assert last_finished_first
+
+
+def test_the_first_bad_record_also_under_shuffle_and_when_it_is_the_last_block(
+    ray_local, inputs: Path, tmp_path: Path, capsys, last_finished_first: list[int]
+):
+    for name in ("a.jsonl", "b.jsonl"):  # only c.jsonl (the last file) keeps a bad record
+        (inputs / name).write_text(json.dumps(GOOD) + "\n")
+    assert main(_args(inputs, tmp_path / "out", "--shuffle", "--num-workers", "2")) == 1
+    assert f"{inputs / 'c.jsonl'}:line 12: empty_conversation" in capsys.readouterr().err
+
+
+def test_skipping_counts_every_bad_record_and_the_manifest_names_the_nodes(
+    ray_local, inputs: Path, tmp_path: Path
+):
+    import ray
+
+    out = tmp_path / "out"
+    assert main(_args(inputs, out, "--skip-bad-records", "--num-workers", "2")) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["totals"]["dropped"] == {"empty_conversation": 5}
+    assert [e[1].rsplit("/", 1)[1] for e in m["skipped_examples"]] == [
+        "a.jsonl:line 27", "a.jsonl:line 50", "b.jsonl:line 5", "b.jsonl:line 40", "c.jsonl:line 12",
+    ]  # fmt: skip
+    (node,) = m["job"]["nodes"]  # one local node ran everything
+    assert node["node_id"] == ray.get_runtime_context().get_node_id()
+    assert node["tasks"]["tokenize"] >= 3 and node["tasks"]["pack"] == len(m["shards"])
