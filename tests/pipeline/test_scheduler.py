@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.ray]
 
 GOOD = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 BAD = {"messages": []}  # empty_conversation
-# file -> 1-based lines holding a bad record; the first in input order is a.jsonl line 27
-BAD_AT = {"a.jsonl": (27, 50), "b.jsonl": (5, 40), "c.jsonl": (12,)}
+# file -> 1-based lines holding a bad record; the first in input order is a.jsonl line 7, and
+# every block of 13+ records of a.jsonl holds one (so a later block in flight fails too)
+BAD_AT = {"a.jsonl": (7, 20, 33, 46, 59), "b.jsonl": (5, 40), "c.jsonl": (12,)}
 LINES = 60
 
 
@@ -75,7 +76,7 @@ def test_the_error_names_the_first_bad_record_in_input_order(
     out = tmp_path / "out"
     assert main(_args(inputs, out, "--num-workers", str(workers))) == 1
     err = capsys.readouterr().err
-    assert f"{inputs / 'a.jsonl'}:line 27: empty_conversation" in err, err
+    assert f"{inputs / 'a.jsonl'}:line 7: empty_conversation" in err, err
     assert err.count("empty_conversation") == 1 and "--skip-bad-records" in err
     assert not (out / "manifest.json").exists()
     if workers > 1:  # blocks of 60 small records: several finished together, the later first
@@ -99,10 +100,10 @@ def test_skipping_counts_every_bad_record_and_the_manifest_names_the_nodes(
     out = tmp_path / "out"
     assert main(_args(inputs, out, "--skip-bad-records", "--num-workers", "2")) == 0
     m = json.loads((out / "manifest.json").read_text())
-    assert m["totals"]["dropped"] == {"empty_conversation": 5}
+    assert m["totals"]["dropped"] == {"empty_conversation": 8}
     assert [e[1].rsplit("/", 1)[1] for e in m["skipped_examples"]] == [
-        "a.jsonl:line 27", "a.jsonl:line 50", "b.jsonl:line 5", "b.jsonl:line 40", "c.jsonl:line 12",
-    ]  # fmt: skip
+        f"{name}:line {line}" for name, lines in BAD_AT.items() for line in lines
+    ]
     (node,) = m["job"]["nodes"]  # one local node ran everything
     assert node["node_id"] == ray.get_runtime_context().get_node_id()
     assert node["tasks"]["tokenize"] >= 3 and node["tasks"]["pack"] == len(m["shards"])
