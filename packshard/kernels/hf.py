@@ -1,0 +1,384 @@
+"""Route the DSA lightning indexer of Hugging Face transformers' models to `fp8_indexer_topk`.
+
+    handle = use_packshard_indexer(model)   # every DSA indexer module of the model
+    model(input_ids=ids, position_ids=pos, labels=labels)   # a packed row, positions restarting
+    handle.restore()                        # or: with use_packshard_indexer(model): ...
+
+**Models.** `glm_moe_dsa` (GLM-5: `GlmMoeDsaIndexer`, interleaved RoPE on the indexer's first
+`qk_rope_head_dim` dimensions) and `deepseek_v32` (DeepSeek-V3.2: `DeepseekV32Indexer`,
+half-split RoPE), in transformers 5.17 to 5.25 (the two differ only in the cache argument's name,
+`past_key_values` then `cache`; both are accepted). GLM's "shared" layers have no indexer and
+reuse the previous layer's indices, so they follow. `deepseek_v4` is refused: its indexer scores
+compressed keys, one per 4-token window of the whole row (windows straddle documents, the
+causal threshold is read off position ids that restart), so its candidates are not tokens with
+per-document ranges; packing would first need a per-document compressor.
+
+**What is replaced.** Each indexer module's `forward`, as an instance attribute (the class is
+untouched; `restore()` deletes the attribute; `use_packshard_indexer` on a routed model returns
+the same handle). The replacement computes q [B, S, H, D], k [B, T, D] and the head weights with
+the module's own layers and RoPE function (and appends k to the model's indexer cache as the
+original does), then one `fp8_indexer_topk` call for the whole batch (batch rows laid end to end,
+key b*T + s for row b). It returns what the model's attention consumes: int32 [B, S, topk] with
+topk = min(config.index_topk, T), indices in the row's key coordinates. The model's own indexer
+fills the slots of a query with fewer than topk candidates with masked (future) keys, which the
+attention mask then hides; ours returns the kernel's sentinel there, replaced by the query's own
+key (always among its selected keys when a slot is unused; the eager / SDPA paths scatter the
+indices into a [B, S, T] mask, which accepts only indices in [0, T)), or by -1 with
+`unused_slots="minus_one"` (FlashMLA's sparse kernels read -1 as "no key").
+
+**Scoring.** The model: score[t, s] = sum_h weights[t, h] * n_heads^-0.5 * relu(softmax_scale *
+q[t, h] . k[s]), where weights = weights_proj(hidden), softmax_scale = head_dim^-0.5, in fp32 on
+the bf16 q and k; then the attention mask, then `torch.topk` over the dense [B, S, T] scores
+(32 GiB of fp32 at S = T = 16K with GLM-5's 32 heads, before the relu's copy). Since
+relu(c x) = c relu(x) for c > 0, this is the kernel's score with w = weights * n_heads^-0.5 *
+softmax_scale: the same function, computed on fp8 q and k.
+
+**Packed rows.** A query's candidate keys are its own document's, causally: with position id p
+at key coordinate a = past + t (past: tokens already in the indexer cache), ks = a - p and
+ke = a + 1. Position ids must restart at 0 at every document and rise by 1 within it, as
+`packshard.trainer_shim` and Hugging Face's padding-free collators make them (the model's
+default, past + arange(S), is one document). A documents' isolation so holds even where the
+model's mask does not give it (with a cache, or a 2D attention mask, transformers builds a plain
+causal mask over the packed row): the attention sees only selected keys. Other position ids
+raise ValueError naming the first bad token, and so does an attention mask hiding a document's
+first key from a query that sees itself (left padding: put position 0 on the first real token).
+Right padding needs nothing: padding comes after the real tokens, so no real query sees it.
+The ranges are computed once per forward (the position ids' host copy is one sync), not per
+layer: every layer gets the same position ids and mask objects.
+
+**fp8 tolerance rule.** Ours selects the exact top-k of s8[t, s], the score above on q and k
+rounded per vector to e4m3 at a power-of-two scale (at most 2^-4 relative error an element);
+the model's own the top-k of s[t, s], on bf16 q and k. For a query t the two sets are equal
+whenever the gap between its k-th and (k+1)-th largest s exceeds 2 * max_s |s8 - s| (no key can
+cross), up to the choice among keys tied at the k-th score (ours takes lower key indices first,
+`torch.topk`'s choice is unspecified). In particular they are equal when every element of q
+and k is an e4m3 value times its vector's power-of-two scale (e.g. integers of magnitude <= 16):
+then s8 = s up to fp32 summation order. tests/kernels/test_hf_dsa.py checks this on tiny models,
+benchmarks/bench_hf_indexer.py at GLM-5's shapes on 16K-32K rows, where it also reports the
+overlap of the two selections on random inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from packshard.kernels import FIXED_CONFIG, IndexerConfig, fp8_indexer_topk
+
+
+@dataclass(frozen=True)
+class DsaFamily:
+    """One transformers model family whose indexer packshard routes."""
+
+    model_type: str
+    indexer_class: str
+    rope_function: str  # the modeling module's function that the indexer's forward calls
+
+
+FAMILIES: dict[str, DsaFamily] = {
+    f.indexer_class: f
+    for f in (
+        DsaFamily("glm_moe_dsa", "GlmMoeDsaIndexer", "apply_rotary_pos_emb_interleave"),
+        DsaFamily("deepseek_v32", "DeepseekV32Indexer", "apply_rotary_pos_emb"),
+    )
+}
+UNSUPPORTED: dict[str, str] = {
+    "DeepseekV4Indexer": (
+        "deepseek_v4's indexer scores compressed keys (one per 4-token window of the whole row, "
+        "windows straddling documents) and selects windows, not tokens with per-document ranges"
+    ),
+}
+_ATTRIBUTES = (
+    "wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "qk_rope_head_dim",
+    "index_topk", "softmax_scale", "layer_idx",
+)  # fmt: skip
+UnusedSlots = Literal["query", "minus_one"]
+
+
+def _family_of(module: nn.Module) -> tuple[str, DsaFamily | None]:
+    """(class name, family) for a transformers DSA indexer module, ("", None) for anything else."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("transformers.models."):
+            continue
+        if cls.__name__ in FAMILIES:
+            return cls.__name__, FAMILIES[cls.__name__]
+        if cls.__name__ in UNSUPPORTED:
+            return cls.__name__, None
+    return "", None
+
+
+def document_ranges(position_ids: np.ndarray, past: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """ks, ke int64 [B, S] in key coordinates (past + t) from position ids restarting per document.
+
+    Raises ValueError naming the first token whose position id is neither 0 nor its
+    predecessor's plus one, or is larger than the token's key coordinate (the document would
+    start before the row).
+    """
+    pos = np.asarray(position_ids, dtype=np.int64)
+    if pos.ndim != 2:
+        raise ValueError(f"position_ids must be [batch, tokens], got shape {pos.shape}")
+    b, s = pos.shape
+    key = past + np.arange(s, dtype=np.int64)
+    ks = key[None, :] - pos
+    steps = (pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)
+    bad = np.argwhere(~steps)
+    if bad.size:
+        r, t = (int(x) for x in bad[0])
+        raise ValueError(
+            f"position_ids[{r}, {t + 1}] = {pos[r, t + 1]} after {pos[r, t]}: packshard's indexer "
+            "takes documents from position ids that restart at 0 at each document and rise by 1 "
+            "within it (left padding: give the first real token position 0)"
+        )
+    bad = np.argwhere((ks < 0) | (pos < 0))
+    if bad.size:
+        r, t = (int(x) for x in bad[0])
+        raise ValueError(
+            f"position_ids[{r}, {t}] = {pos[r, t]} at key {key[t]} (past={past}): a document "
+            "cannot start before the row; position ids must restart at 0 at each document"
+        )
+    return ks, np.broadcast_to(key + 1, (b, s)).copy()
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Which entries of a bool (True = visible) or additive float mask let a key through."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _check_mask(mask: torch.Tensor, ks: torch.Tensor, past: int) -> None:
+    """Raise if the model's mask hides a document's first key from a query that sees itself.
+
+    mask [B or 1, S, T]; ks int64 [B, S] on the mask's device. Two gathers of B*S entries and
+    one sync: the ranges are intervals, so a mask that hides their start (left padding, a
+    prefix mask) means the position ids do not describe what the model attends.
+    """
+    b, s = ks.shape
+    m = mask.expand(b, -1, -1)
+    own = (past + torch.arange(s, device=ks.device)).expand(b, s)
+    sees_self = _allowed(m.gather(2, own.unsqueeze(-1))).squeeze(-1)
+    sees_start = _allowed(m.gather(2, ks.unsqueeze(-1))).squeeze(-1)
+    bad = sees_self & ~sees_start
+    if bool(bad.any()):
+        r, t = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"the attention mask hides key {int(ks[r, t])} (the first token of its document by "
+            f"the position ids) from query {t} of batch row {r}, which sees itself: packshard's "
+            "indexer takes documents from position ids restarting at 0 at each document; with "
+            "left padding, give the first real token position 0 (right padding needs nothing)"
+        )
+
+
+@dataclass
+class _Ranges:
+    """ks/ke of one forward, flattened over the batch, and what they were computed from."""
+
+    key: tuple
+    refs: tuple[weakref.ref, ...]
+    ks: torch.Tensor  # int32 [B*S] on the host, pinned when q is on a GPU
+    ke: torch.Tensor
+
+    def matches(self, key: tuple, objs: tuple[torch.Tensor, ...]) -> bool:
+        return key == self.key and all(r() is o for r, o in zip(self.refs, objs, strict=True))
+
+
+def _identity(x: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple]:
+    """The tensor owning x's memory and what pins down x's contents (a view's offset, version)."""
+    if x is None:
+        return None, ()
+    base = x._base if x._base is not None else x
+    return base, (x.shape, x.stride(), x.storage_offset(), x._version, x.device)
+
+
+@dataclass
+class PackshardIndexer:
+    """Handle of the routed indexers: `restore()` puts the model's own forwards back."""
+
+    modules: dict[str, nn.Module]  # qualified name -> indexer module
+    config: IndexerConfig = FIXED_CONFIG
+    unused_slots: UnusedSlots = "query"
+    calls: int = 0  # indexer forwards served
+    _ranges: _Ranges | None = field(default=None, repr=False)
+    _model: weakref.ref | None = field(default=None, repr=False)
+
+    def restore(self) -> None:
+        """Put back each module's own forward (idempotent)."""
+        for m in self.modules.values():
+            if getattr(m, "_packshard_indexer", None) is self:
+                del m.forward
+                del m._packshard_indexer
+        model = self._model() if self._model is not None else None
+        if model is not None and getattr(model, "_packshard_indexer", None) is self:
+            del model._packshard_indexer
+        self._ranges = None
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(m, "_packshard_indexer", None) is self for m in self.modules.values())
+
+    def __enter__(self) -> PackshardIndexer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def ranges(
+        self,
+        position_ids: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        shape: tuple[int, int, int],
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host int32 ks, ke [B*S] of the flattened batch; computed once per forward."""
+        b, s, t = shape
+        past = t - s
+        pos_base, pos_meta = _identity(position_ids)
+        mask_base, mask_meta = _identity(mask)
+        key = (b, s, t, str(device), pos_meta, mask_meta)
+        objs = tuple(o for o in (pos_base, mask_base) if o is not None)
+        if self._ranges is not None and self._ranges.matches(key, objs):
+            return self._ranges.ks, self._ranges.ke
+        if position_ids is None:
+            pos = np.broadcast_to(past + np.arange(s, dtype=np.int64), (b, s))
+        else:
+            if position_ids.dim() != 2 or position_ids.shape[-1] != s:
+                raise ValueError(
+                    f"position_ids must be [batch, {s}] for {s} query tokens, got shape "
+                    f"{tuple(position_ids.shape)}"
+                )
+            pos = np.broadcast_to(position_ids.detach().cpu().numpy(), (b, s))
+        ks, ke = document_ranges(pos, past)
+        if mask is not None:
+            _check_mask(mask, torch.from_numpy(ks).to(mask.device), past)
+        offset = (np.arange(b, dtype=np.int64) * t)[:, None]
+        ks_t = torch.from_numpy((ks + offset).astype(np.int32).reshape(-1))
+        ke_t = torch.from_numpy((ke + offset).astype(np.int32).reshape(-1))
+        if device.type == "cuda":
+            ks_t, ke_t = ks_t.pin_memory(), ke_t.pin_memory()
+        self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t)
+        return ks_t, ke_t
+
+    @torch.no_grad()
+    def forward(
+        self,
+        module: nn.Module,
+        rope: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        hidden_states: torch.Tensor,
+        q_resid: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        past_key_values: Any = None,
+    ) -> torch.Tensor:
+        """The indexer's forward (the model's arguments after `module` and `rope`, bound by
+        `use_packshard_indexer`): int32 [B, S, topk] indices in the row's key coordinates."""
+        cache = cache if cache is not None else past_key_values
+        b, s, _ = hidden_states.shape
+        h, d, r = module.n_heads, module.head_dim, module.qk_rope_head_dim
+        cos, sin = position_embeddings
+        # q, k and the head weights exactly as the model's own forward computes them
+        q = module.wq_b(q_resid).view(b, s, h, d)
+        q_rot, q_pass = torch.split(q, [r, d - r], dim=-1)
+        k = module.k_norm(module.wk(hidden_states)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [r, d - r], dim=-1)
+        q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        if cache is not None:
+            k = cache.update_indexer(k, module.layer_idx)
+        t = k.shape[1]
+        scale = module.n_heads**-0.5 * module.softmax_scale  # relu(c x) = c relu(x), c > 0
+        w = module.weights_proj(hidden_states.to(module.weights_proj.weight.dtype)).float() * scale
+        ks, ke = self.ranges(position_ids, attention_mask, (b, s, t), q.device)
+        topk = min(module.index_topk, t)
+        idx = fp8_indexer_topk(
+            q.reshape(b * s, h, d), k.reshape(b * t, d), w.reshape(b * s, h), ks, ke, topk,
+            config=self.config,
+        )  # fmt: skip
+        rows = torch.arange(b * s, device=idx.device)
+        offset = (rows // s) * t
+        if self.unused_slots == "query":
+            fill = (t - s + rows % s).unsqueeze(1)
+        else:
+            fill = torch.full((1, 1), -1, dtype=rows.dtype, device=idx.device)
+        out = torch.where(idx == b * t, fill, idx - offset.unsqueeze(1))
+        self.calls += 1
+        return out.to(torch.int32).view(b, s, topk)
+
+
+def find_indexers(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> each DSA indexer module packshard can route; ValueError if none.
+
+    Raises ValueError naming the model's class when it has no indexer, or names the reason
+    when its indexer is of a family packshard does not route (deepseek_v4).
+    """
+    found: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        cls, family = _family_of(m)
+        if cls and family is None:
+            raise ValueError(f"{name or type(model).__name__} is a {cls}: {UNSUPPORTED[cls]}")
+        if family is not None:
+            missing = [a for a in _ATTRIBUTES if not hasattr(m, a)]
+            if missing:
+                raise ValueError(
+                    f"{name} ({cls}) lacks {missing}: this transformers version's indexer is "
+                    "not the one packshard reproduces (transformers 5.17-5.25)"
+                )
+            found[name] = m
+    if not found:
+        names = ", ".join(f"{f.indexer_class} ({f.model_type})" for f in FAMILIES.values())
+        raise ValueError(
+            f"{type(model).__name__} has no DSA lightning indexer packshard can route; it "
+            f"routes {names} modules of transformers"
+        )
+    return found
+
+
+def use_packshard_indexer(
+    model: nn.Module,
+    *,
+    config: IndexerConfig = FIXED_CONFIG,
+    unused_slots: UnusedSlots = "query",
+) -> PackshardIndexer:
+    """Route every DSA indexer of `model` to `fp8_indexer_topk` (module docstring); a handle.
+
+    Calling it again on a routed model returns the same handle when the settings are the same
+    and raises ValueError otherwise (`restore()` first). The handle is a context manager that
+    restores on exit.
+    """
+    if unused_slots not in ("query", "minus_one"):
+        raise ValueError(f"unused_slots={unused_slots!r}: must be 'query' or 'minus_one'")
+    if not isinstance(config, IndexerConfig):
+        raise TypeError(f"config must be an IndexerConfig, got {type(config).__name__}")
+    existing = getattr(model, "_packshard_indexer", None)
+    if isinstance(existing, PackshardIndexer) and existing.active:
+        if existing.config != config or existing.unused_slots != unused_slots:
+            raise ValueError(
+                f"{type(model).__name__} is already routed with config={existing.config}, "
+                f"unused_slots={existing.unused_slots!r}; call .restore() on its handle first"
+            )
+        return existing
+    modules = find_indexers(model)
+    for name, m in modules.items():
+        if getattr(m, "_packshard_indexer", None) is not None:
+            raise ValueError(
+                f"{name} is already routed by another handle (use_packshard_indexer on an "
+                "enclosing module?); call .restore() on that handle first"
+            )
+    handle = PackshardIndexer(modules, config, unused_slots)
+    handle._model = weakref.ref(model)
+    for m in modules.values():
+        rope = getattr(sys.modules[type(m).__module__], FAMILIES[_family_of(m)[0]].rope_function)
+        m.forward = functools.partial(handle.forward, m, rope)
+        m._packshard_indexer = handle
+    model._packshard_indexer = handle
+    return handle
