@@ -201,9 +201,9 @@ _SAVED_KEYS = ("markdown", "command", "machine", "date", "load")
 
 
 def record_saved_result(path: Path | str, benchmark: str, title: str, what: str) -> str:
-    """Record the run a GPU machine saved as JSON (keys markdown, machine, command; date and
-    load when it saved them; the rest goes to the history's data) as `benchmark`'s latest;
-    returns the markdown. `what` names the file in errors, e.g. "indexer_final.json from `bench_indexer.py --final`"."""
+    """Record the run a GPU machine saved as JSON at `path` (see `record_saved`) as
+    `benchmark`'s latest; returns the markdown. `what` names the file in errors, e.g.
+    "indexer_final.json from `bench_indexer.py --final`"."""
     try:
         saved = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -212,9 +212,16 @@ def record_saved_result(path: Path | str, benchmark: str, title: str, what: str)
         raise ValueError(
             f"{path}: holds a JSON {type(saved).__name__}, not an object; not the {what}"
         )
+    return record_saved(saved, benchmark, title, f"{path}: not the {what}")
+
+
+def record_saved(saved: dict, benchmark: str, title: str, where: str) -> str:
+    """Record a run made elsewhere: `saved` holds markdown, machine and command (date and load
+    when the run saved them, `run_stamp`); everything else goes to the history's data.
+    `where` starts the error message for a missing key. Returns the markdown."""
     for key in ("markdown", "command", "machine"):
         if key not in saved:
-            raise ValueError(f"{path}: no {key!r} key; not the {what}")
+            raise ValueError(f"{where} (no {key!r} key)")
     _write(
         {
             "benchmark": benchmark,

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import command_line, machine_description, markdown_table, record_result
+from benchmarks._results import markdown_table, record_result, record_saved, run_stamp
 from benchmarks.indexer_peers import SWEEP_CONFIGS, autotuned_indexer_topk, fresh_autotuned_launcher
 from packshard.kernels.fp8_indexer import (
     FIXED_CONFIG,
@@ -517,9 +517,7 @@ def main() -> None:
         (out / "indexer_bench.md").write_text(body)
         (out / "indexer_extra.json").write_text(json.dumps(extra, indent=1, default=str))
         (out / "indexer_compile.json").write_text(json.dumps(compiled, indent=1))
-        (out / "indexer_meta.json").write_text(
-            json.dumps({"machine": machine_description(), "command": command_line()})
-        )
+        (out / "indexer_meta.json").write_text(json.dumps(run_stamp()))
     if not args.no_append:
         record_result("bench_indexer", BENCH_TITLE, body, data={"shapes": results, **extra})
 
@@ -535,10 +533,10 @@ def append_bench_results(folder: Path) -> str:
             f"{folder}: no readable indexer_bench.md + indexer_meta.json ({e}); pass the --out "
             "folder of a `bench_indexer.py` run"
         ) from e
-    record_result(
-        "bench_indexer", BENCH_TITLE, body, command=meta["command"], machine=meta["machine"]
-    )
-    return body
+    return record_saved(
+        {**meta, "markdown": body}, "bench_indexer", BENCH_TITLE,
+        f"{folder / 'indexer_meta.json'}: not a bench_indexer.py run's",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

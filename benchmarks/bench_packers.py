@@ -67,7 +67,7 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._results import append_result, markdown_table
+from benchmarks._results import markdown_table, record_result
 from packshard.packers import (
     apply_overlong,
     build_rows,
@@ -515,7 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("\n" + body)
     if not args.no_append:
-        append_result("Packing: packers.pack_table vs TRL pack_dataset(bfd)", body)
+        record_result(
+            "bench_packers",
+            "Packing: packers.pack_table vs TRL pack_dataset(bfd)",
+            body,
+            data={"headers": HEADERS, "rows": rows, "load_before": load_before},
+        )
     return 0
 
 

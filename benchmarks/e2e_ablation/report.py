@@ -19,7 +19,6 @@ reach them) and a 20-step AdamW run from scratch amplifies any difference:
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -305,19 +304,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def append_results_file(path: Path) -> str:
-    """Append a GPU run's results (its e2e_results.json) to benchmarks/RESULTS.md."""
-    from benchmarks._results import append_result
+    """Record a GPU run's results (its e2e_results.json) as e2e_ablation's latest result."""
+    from benchmarks._results import record_saved_result
 
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(
-            f"{path}: cannot read an e2e results file ({e}); pass the e2e_results.json the GPU run wrote"
-        ) from e
-    for key in ("markdown", "command", "machine"):
-        if key not in result:
-            raise ValueError(
-                f"{path}: no {key!r} key; this is not an e2e_results.json written by run.py"
-            )
-    append_result(TITLE, result["markdown"], command=result["command"], machine=result["machine"])
-    return result["markdown"]
+    return record_saved_result(
+        path, "e2e_ablation", TITLE, "e2e_results.json that benchmarks/e2e_ablation/run.py wrote"
+    )

@@ -239,7 +239,7 @@ def run_all(
     deadline_s: float | None,
     device: torch.device,
 ) -> dict[str, Any]:
-    from benchmarks._results import command_line, machine_description
+    from benchmarks._results import run_stamp
     from benchmarks.e2e_ablation.report import print_table
 
     start = PROCESS_START
@@ -253,7 +253,7 @@ def run_all(
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     impl, checks = self_checks(run, device)
     result: dict[str, Any] = {
-        "command": command_line(), "machine": machine_description(),
+        **run_stamp(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "run": {**{k: v for k, v in run.__dict__.items() if k != "model"}, "deadline_s": deadline_s},
         "model": run.model.__dict__, "model_summary": _model_summary(run), "attention_impl": impl.attention,
@@ -382,7 +382,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--append-results",
         metavar="FILE",
         type=Path,
-        help="append a GPU run's e2e_results.json to benchmarks/RESULTS.md",
+        help="record a GPU run's e2e_results.json as e2e_ablation's latest result (RESULTS.md and "
+        "benchmarks/history/)",
     )
     p.add_argument(
         "--data",

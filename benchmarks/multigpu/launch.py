@@ -105,13 +105,15 @@ def finish(out: Path, extra: dict[str, object] | None = None) -> dict:
 
 
 def append(result: dict) -> None:
-    from benchmarks._results import append_result
+    """Record a run's multigpu_results.json as the multigpu benchmark's latest result."""
+    from benchmarks._results import record_saved
     from benchmarks.multigpu.report import TITLE_CPU, TITLE_GPU
 
     title = TITLE_CPU if result.get("device") == "cpu" else TITLE_GPU
-    append_result(title, result["markdown"], command=result.get("launch_command", result.get("command")),
-                  machine=result.get("machine"))  # fmt: skip
-    print(f"\nappended to {REPO / 'benchmarks' / 'RESULTS.md'}")
+    # the command a user retypes is the launcher's, not the per-rank script's
+    saved = {**result, "command": result.get("launch_command", result.get("command"))}
+    record_saved(saved, "multigpu", title, "not a multigpu_results.json written by run.py")
+    print(f"\nrecorded in {REPO / 'benchmarks' / 'RESULTS.md'} and benchmarks/history/")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    from benchmarks._results import command_line, machine_description
+    from benchmarks._results import run_stamp
     from benchmarks.multigpu.cp_model import CPGroup, windowed_reference_topk
     from packshard.kernels import fp8_indexer_topk
     from packshard.trainer_shim import Topology, new_process_groups
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         & set(range(steps))
     )
     result: dict[str, Any] = {
-        "command": command_line(), "machine": machine_description(),
+        **run_stamp(),
         "device": torch.cuda.get_device_name(device) if gpu else "cpu", "backend": dist.get_backend(),
         "topology": {"world": topo.world_size, "dp": topo.dp_size, "cp": topo.cp_size, "cp_layout": args.cp_layout},
         "preset": args.preset, "model": run.model.__dict__, "dtype": run.dtype, "rows_per_rank": args.rows_per_rank,

@@ -184,3 +184,22 @@ def test_cpu_gloo_dp2_cp2(tmp_path: Path) -> None:
     md = (out / "multigpu_results.md").read_text()
     assert "CPU/gloo proxy" in md and "| cost (balanced)" in md
     assert result["summary"]["arms"]["cost"]["topk_identical"] is True
+
+
+def test_append_records_the_launch_command(tmp_path: Path, monkeypatch) -> None:
+    import benchmarks._results as results
+    from benchmarks.multigpu.launch import append
+
+    monkeypatch.setattr(results, "RESULTS_MD", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(results, "HISTORY_DIR", tmp_path / "history")
+    saved = {"markdown": "| arm |\n|---|\n| a |", "machine": "cpu box", "device": "cpu",
+             "command": "python run.py --rank 0", "launch_command": "benchmarks/multigpu/launch.py --cpu",
+             "date": "2026-12-02 18:44 UTC", "load": [1.0, 1.0, 1.0], "steps": 8}  # fmt: skip
+    append(saved)
+    (run,) = results.read_history("multigpu")
+    assert run["command"] == "benchmarks/multigpu/launch.py --cpu" and run["data"]["steps"] == 8
+    assert (
+        "- command: `benchmarks/multigpu/launch.py --cpu`" in (tmp_path / "RESULTS.md").read_text()
+    )
+    with pytest.raises(ValueError, match="no 'markdown' key"):
+        append({"machine": "x", "command": "y"})

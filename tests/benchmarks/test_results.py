@@ -105,7 +105,7 @@ def test_saved_gpu_run_keeps_its_stamp_and_data(paths: tuple[Path, Path], tmp_pa
     assert {k: run[k] for k in stamp} == stamp and run["data"] == {"ms": 4}
     assert "- load average (1/5/15 min): 1.00 / 2.00 / 3.00" in md.read_text()
     saved.write_text(json.dumps({"markdown": "x"}))
-    with pytest.raises(ValueError, match=r"no 'command' key; not the g\.json"):
+    with pytest.raises(ValueError, match=r"not the g\.json \(no 'command' key\)"):
         results.record_saved_result(saved, "bench_g", "G", "g.json")
 
 
