@@ -304,7 +304,11 @@ def lap_text(lap: Lap) -> str:
 
 
 def ratio(ref: Timings | None, this: Timings, attr: str) -> str:
-    return f"{getattr(ref, attr) / getattr(this, attr):.1f}x" if ref else "n/a"
+    """ref / this as "2.0x"; "n/a" without a peer or when this one is below the clock's
+    resolution (a --quick run's CPU time can read 0.00 s)."""
+    if ref is None or getattr(this, attr) <= 0:
+        return "n/a"
+    return f"{getattr(ref, attr) / getattr(this, attr):.1f}x"
 
 
 def bench_scenario(
