@@ -1,9 +1,12 @@
-"""Benchmark the fixed-config fp8 indexer (issue 5) on the GPU; prints tables, appends RESULTS.md.
+"""Benchmark the fixed-config fp8 indexer (issue 5) on the GPU; prints tables, records them.
 
     python benchmarks/bench_indexer.py [--out DIR] [--quick] [--no-append]
     python benchmarks/bench_indexer.py --final --out DIR [--budget-s 125]   # benchmarks/indexer_final.py
     python benchmarks/bench_indexer.py --append-results DIR/indexer_final.json   # no GPU needed
     python benchmarks/bench_indexer.py --append-results DIR   # a plain run's --out folder
+
+A plain run is RESULTS.md's `bench_indexer` section, a --final run `bench_indexer_final`
+(benchmarks/_results.py: the latest in RESULTS.md, every run in benchmarks/history/).
 
 One run measures, for S in {4K..128K}, H in {64, 32}, D = 128, topk = 2048, and two rows (one
 causal document; a packed row of six documents):
@@ -13,8 +16,9 @@ causal document; a packed row of six documents):
   config, and with the other chunk-overlap mode (the fixed config runs one stream: "priority");
 - fixed / best: the fixed config's logits time over the best of `SWEEP_CONFIGS` (the wider
   sweep, benchmarks/indexer_peers.py) at that shape, both measured in the same loop;
-plus torch.topk over full logits at S=32K for scale, and the varied-row test: ten packed rows of 16K-32K tokens through the fixed config and through the
-autotuned-per-length peer, tuning included.
+plus torch.topk over full logits at S=32K for scale, and the varied-row test: ten packed rows
+of 16K-32K tokens through the fixed config and through the autotuned-per-length peer, tuning
+included.
 
 Kernels are compiled up front in parallel worker processes (each a tiny launch that fills
 Triton's on-disk cache), so compile time does not pollute the timings and a lease is not spent
@@ -376,7 +380,7 @@ def shape_table(results: list[dict]) -> str:
 
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, bool], ...]:
-    """`--shapes` (`--final`, `logits_ws_probe.py`): comma-separated H:S:causal|packed, e.g.
+    """`--shapes` (`--final`): comma-separated H:S:causal|packed, e.g.
     "64:4096:packed,32:8192:causal"; H 32 or 64 (the fixed path's head counts), S a positive
     multiple of 1024 (shapes are named by S // 1024)."""
     shapes = []
@@ -402,7 +406,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="S <= 16K, no sweep, no varied rows")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
-    ap.add_argument("--no-append", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--no-append", action="store_true", help="do not record in RESULTS.md")
     ap.add_argument("--skip-varied", action="store_true", help="no varied-row test")
     ap.add_argument(
         "--final",
@@ -425,8 +429,8 @@ def main() -> None:
         "--append-results",
         type=Path,
         metavar="FILE",
-        help="append a --final run's indexer_final.json, or a plain run's --out folder, to "
-        "benchmarks/RESULTS.md (no GPU needed)",
+        help="record a --final run's indexer_final.json, or a plain run's --out folder, as the "
+        "latest bench_indexer_final / bench_indexer result (no GPU needed)",
     )
     args = ap.parse_args()
     if args.append_results is not None:
