@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from packshard.pipeline.samples import BadRecord, Chat
 from packshard.pipeline.tokenizer_loading import TokenizerError, TokenizerPayload
 
@@ -56,6 +58,18 @@ log = logging.getLogger(__name__)
 
 _PROBE = "\u27e6packshard-probe-{}\u27e7"
 ExactRender = Callable[[list[dict[str, Any]], Any, bool], str]
+# What rendering a chat template raises: jinja's own errors (syntax, undefined, sandbox,
+# `raise_exception`), and the Python errors of the operations a template runs on a record's
+# data (`"a" + 1`, a missing key or index, a method of the wrong type, a division by zero).
+# apply_chat_template adds ValueError (no template) and TokenizerError (a ValueError).
+TEMPLATE_ERRORS: tuple[type[Exception], ...] = (
+    TemplateError,
+    TypeError,
+    ValueError,
+    LookupError,
+    AttributeError,
+    ArithmeticError,
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -266,7 +280,8 @@ def check_renderer(renderer: ChatRenderer, exact: ExactRender) -> None:
             for gen in (False, True):
                 try:
                     want = exact(messages[:n], tools, gen)
-                except Exception:  # a template may refuse a probe (e.g. Phi-3 and tools)
+                except TEMPLATE_ERRORS as e:  # a template may refuse a probe (Phi-3 and tools)
+                    log.debug("the template refuses a %d-message probe (gen=%s): %s", n, gen, e)
                     continue
                 got = renderer.render(ChatRenderer.prepare(messages[:n]), tools, gen)
                 if got != want:
@@ -293,7 +308,7 @@ def probe_template(renderer: ChatRenderer, special_tokens: Sequence[str]) -> Tem
     def rendered(messages: list[dict[str, Any]], needle: str, tools: Any = None) -> str | None:
         try:
             text = renderer.render(ChatRenderer.prepare(messages), tools, False)
-        except Exception as e:  # a template may raise on a role it does not know
+        except TEMPLATE_ERRORS as e:  # a template may raise on a role it does not know
             log.debug("probe render failed: %s", e)
             return None
         return text if needle in text else None
@@ -343,7 +358,7 @@ class ChatMasker:
         """Render prepared messages; a template error makes the record bad."""
         try:
             return self.renderer.render(messages, tools, gen)
-        except Exception as e:  # jinja raises anything (raise_exception, TypeError, ...)
+        except TEMPLATE_ERRORS as e:
             raise BadRecord(
                 "template_error", f"the chat template failed: {type(e).__name__}: {e}"
             ) from None
@@ -366,7 +381,7 @@ class ChatMasker:
         full = self.render(msgs, tools)
         try:
             full = self.renderer.check(original, tools, full)
-        except Exception as e:  # as in render()
+        except TEMPLATE_ERRORS as e:
             raise BadRecord(
                 "template_error", f"the chat template failed: {type(e).__name__}: {e}"
             ) from None

@@ -15,40 +15,44 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from packshard.packers import FormatError, ShardDataset
+from packshard._extras import MissingExtraError
+from packshard.packers import FormatError, ShardDataset, url_to_fs
+from packshard.pipeline.inputs import redact_text, redact_url
+from packshard.pipeline.jobstate import PLAN_NAME
+from packshard.pipeline.options import add_storage_option_flag, parse_key_values
 
 
-def parse_storage_options(
-    pairs: Sequence[str] | None, flag: str = "--storage-option"
-) -> dict[str, Any]:
-    """['key=value', ...] -> {key: json-or-string value} (`flag` names the option in errors)."""
-    options: dict[str, Any] = {}
-    for pair in pairs or ():
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"{flag} expects KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        return parse_key_values(args.storage_option)
+    except ValueError as e:
+        raise SystemExit(f"packshard {args.command}: error: {e}") from None
 
 
-def add_storage_option_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--storage-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="fsspec filesystem option, e.g. endpoint_url=http://127.0.0.1:5000 (repeatable)",
-    )
+def _open(args: argparse.Namespace) -> ShardDataset:
+    """The dataset at args.url; a URL with nothing there, or an unfinished job, says so."""
+    options = _storage_options(args)
+    try:
+        return ShardDataset.open(args.url, storage_options=options)
+    except FormatError:
+        fs, root = url_to_fs(args.url, options)
+        where = redact_url(args.url)
+        if not fs.exists(root):
+            raise FormatError(f"{where} does not exist (no file or directory there)") from None
+        if fs.exists(f"{root}/{PLAN_NAME}"):
+            raise FormatError(
+                f"{where} holds an unfinished pack job, not a dataset yet: rerun the pack "
+                "command that wrote it to finish it"
+            ) from None
+        raise
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from packshard.pipeline.stats import dataset_stats, format_stats, plot_stats
 
-    ds = ShardDataset.open(args.url, storage_options=parse_storage_options(args.storage_option))
+    ds = _open(args)
     st = dataset_stats(ds)
-    print(json.dumps(st, indent=2) if args.json else format_stats(st))
+    print(redact_text(json.dumps(st, indent=2) if args.json else format_stats(st)))
     if args.plot:
         plot_stats(ds, args.plot)
         if not args.json:
@@ -61,17 +65,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     problems = verify_dataset(
         args.url,
-        storage_options=parse_storage_options(args.storage_option),
+        storage_options=_storage_options(args),
         progress=not args.quiet,
     )
     if problems:
         for p in problems:
             print(f"FAIL {p}", file=sys.stderr)
-        print(f"verify: {len(problems)} problem(s) in {args.url}", file=sys.stderr)
+        print(f"verify: {len(problems)} problem(s) in {redact_url(args.url)}", file=sys.stderr)
         return 1
-    ds = ShardDataset.open(args.url, storage_options=parse_storage_options(args.storage_option))
+    ds = _open(args)
     print(
-        f"verify: OK {args.url}: {len(ds.shards)} shards, {ds.num_rows:,} rows, checksums and row invariants hold"
+        f"verify: OK {redact_url(args.url)}: {len(ds.shards)} shards, {ds.num_rows:,} rows, checksums and row invariants hold"
     )
     return 0
 
@@ -102,19 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if argv and argv[0] == "pack":
-        from packshard.pipeline.pack import main as pack_main
-
+        try:
+            from packshard.pipeline.pack import main as pack_main
+        except MissingExtraError as e:  # the core install: stats and verify only
+            print(f"packshard pack: error: {e}", file=sys.stderr)
+            return 1
         return pack_main(argv[1:])
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except FormatError as e:
-        print(f"packshard {args.command}: {e}", file=sys.stderr)
-        return 1
-    except FileNotFoundError as e:
-        print(f"packshard {args.command}: {e}", file=sys.stderr)
+    except (FormatError, FileNotFoundError, MissingExtraError) as e:
+        print(f"packshard {args.command}: {redact_text(str(e))}", file=sys.stderr)
         return 1
 
 

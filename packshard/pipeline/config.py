@@ -7,8 +7,10 @@ config resumes (or finds the dataset complete), a different one is refused unles
 storage options, progress) are not part of it, so a resumed job may use another cluster size.
 
 The shape rule is the only one: ``seq_len % pad_multiple == 0``. ``--pad-multiple`` defaults to
-``--cp`` (rows then split evenly into cp chunks); zigzag context parallelism (each rank takes two
-mirrored chunks) needs ``2 * cp``.
+what ``--cp-layout`` needs: ``cp`` for ``contiguous`` (the default: rows split evenly into cp
+chunks), ``2 * cp`` for ``zigzag`` (each rank takes two mirrored chunks, as
+``PackedShardStream(cp_layout="zigzag")`` does); an explicit ``--pad-multiple`` must be a multiple
+of that.
 """
 
 from __future__ import annotations
@@ -20,16 +22,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packshard.packers import ALGORITHMS, OVERLONG_POLICIES
-from packshard.pipeline.cli import add_storage_option_flag, parse_storage_options
+from packshard.pipeline.options import add_storage_option_flag, parse_key_values
 from packshard.pipeline.planning import (
     DEFAULT_CARRY_ROWS,
     DEFAULT_SHARD_TOKENS,
     DEFAULT_WINDOW_ROWS,
 )
 from packshard.pipeline.samples import KINDS, KNOWN_ROLES, parse_columns
-from packshard.pipeline.tokenization import DEMO_TOKENIZER
+from packshard.pipeline.tokenizer_loading import DEMO_TOKENIZER
 
 DEMO_INPUT = "demo://"
+# chunks each row is split into, per cp rank (trainer_shim's cp_layout)
+CP_LAYOUTS: dict[str, int] = {"contiguous": 1, "zigzag": 2}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class PackConfig:
     cp: int
     pad_multiple: int
     pad_token_id: int | None = None
+    cp_layout: str = "contiguous"
     algorithm: str = "bfd"
     window_rows: int = DEFAULT_WINDOW_ROWS
     carry_rows: int = DEFAULT_CARRY_ROWS
@@ -79,6 +84,15 @@ class PackConfig:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(flag, value, "a positive integer")
+        if self.cp_layout not in CP_LAYOUTS:
+            raise bad("--cp-layout", self.cp_layout, f"one of {list(CP_LAYOUTS)}")
+        need = CP_LAYOUTS[self.cp_layout] * self.cp
+        if self.pad_multiple % need:
+            raise ValueError(
+                f"--pad-multiple {self.pad_multiple} does not suit --cp {self.cp} --cp-layout "
+                f"{self.cp_layout}, which splits every row into {need} equal chunks: give a multiple "
+                f"of {need} (or leave --pad-multiple out)"
+            )
         if self.seq_len % self.pad_multiple:
             raise ValueError(
                 f"--seq-len {self.seq_len} is not a multiple of --pad-multiple {self.pad_multiple}: rows are "
@@ -231,9 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--seq-len", type=int, help="row capacity in tokens")
     pk.add_argument("--cp", type=int, help="context-parallel degree")
     pk.add_argument(
+        "--cp-layout",
+        default="contiguous",
+        choices=list(CP_LAYOUTS),
+        help="how the trainer splits rows over cp ranks (PackedShardStream's cp_layout): "
+        "contiguous pads rows to a multiple of cp, zigzag to 2*cp (default contiguous)",
+    )
+    pk.add_argument(
         "--pad-multiple",
         type=int,
-        help="pad rows to a multiple of this (default cp; 2*cp for zigzag CP)",
+        help="pad rows to a multiple of this (default: cp, or 2*cp with --cp-layout zigzag)",
     )
     pk.add_argument(
         "--pad-token-id", type=int, help="padding token (default: the tokenizer's pad, else EOS)"
@@ -313,7 +334,12 @@ def config_from_args(argv: Sequence[str]) -> PackConfig:
         tokenizer=tokenizer,
         seq_len=seq_len,
         cp=cp,
-        pad_multiple=cp if args.pad_multiple is None else args.pad_multiple,
+        pad_multiple=(
+            CP_LAYOUTS.get(args.cp_layout, 1) * cp
+            if args.pad_multiple is None
+            else args.pad_multiple
+        ),
+        cp_layout=args.cp_layout,
         pad_token_id=args.pad_token_id,
         algorithm=args.algorithm,
         window_rows=args.window,
@@ -325,13 +351,13 @@ def config_from_args(argv: Sequence[str]) -> PackConfig:
         kind=args.kind,
         columns=parse_columns(args.columns),
         loss_roles=tuple(r.strip() for r in args.loss_roles.split(",") if r.strip()),
-        template_kwargs=parse_storage_options(args.template_kwarg, flag="--template-kwarg"),
+        template_kwargs=parse_key_values(args.template_kwarg, flag="--template-kwarg"),
         split=args.split,
         skip_bad_records=args.skip_bad_records,
         trust_remote_code=args.trust_remote_code,
         tokenizer_revision=args.tokenizer_revision,
         overwrite=args.overwrite,
-        storage_options=parse_storage_options(args.storage_option),
+        storage_options=parse_key_values(args.storage_option),
         num_cpus=args.num_cpus,
         num_workers=args.num_workers,
         progress=not args.no_progress and os.environ.get("PACKSHARD_NO_PROGRESS") is None,

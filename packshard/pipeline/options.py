@@ -1,0 +1,41 @@
+"""``KEY=VALUE`` command-line options: fsspec storage options and chat-template variables.
+
+`packshard pack`, `stats` and `verify` all take ``--storage-option KEY=VALUE`` (repeatable) for
+filesystem settings such as an S3 endpoint or a GCS project; ``pack`` also takes
+``--template-kwarg KEY=VALUE`` for chat-template variables. A VALUE is parsed as JSON when it
+can be (``true``, ``3``, ``{"a": 1}``), else kept as a string. fsspec's own
+``FSSPEC_<PROTOCOL>_<OPTION>`` environment variables work beside them. This module imports
+nothing beyond the standard library, so the core install's ``stats`` / ``verify`` and the pack
+job's config share it without importing each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+
+def parse_key_values(pairs: Sequence[str] | None, flag: str = "--storage-option") -> dict[str, Any]:
+    """``['key=value', ...]`` -> ``{key: json-or-string value}``; ValueError names `flag`."""
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def add_storage_option_flag(parser: argparse.ArgumentParser | Any) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable) on a parser or argument group."""
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec filesystem option, e.g. endpoint_url=http://127.0.0.1:5000 (repeatable)",
+    )
