@@ -1,9 +1,11 @@
 """The pack job's progress bar (driver side) and its end-of-job summary.
 
-On a terminal the bar is a tqdm line: samples done / to do, tokens/s, rows and shards written,
-ETA. Elsewhere (``ray job logs``, CI) it logs one line every 30 s instead, so logs stay short.
-The summary names every number a user checks after a run: samples in / kept / dropped by
-reason, truncations and splits, rows, shards, padding, and tokens/s.
+On a terminal the bar is a tqdm line: samples tokenized of the total, percentage, tokens/s, rows
+and shards written, elapsed time and ETA. Elsewhere (``ray job logs``, CI) it logs the same as
+one line after 10 s and then every 30 s, so logs stay short. The ETA extrapolates the samples
+tokenized so far (tokenizing is ~95% of the job's work). The summary names every number a user
+checks after a run: samples in / kept / dropped by reason (with the first skipped records'
+file:line), truncations and splits, rows, shards, padding, and tokens/s.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from packshard.pipeline.stats import skipped_lines
+
 log = logging.getLogger("packshard.pipeline.pack")
 
+LOG_FIRST_S = 10.0
 LOG_EVERY_S = 30.0
 
 
@@ -28,11 +33,18 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _clock(seconds: float) -> str:
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 class JobProgress:
     """Counts reported by the scheduler; a bar on a TTY, periodic log lines elsewhere."""
 
     def __init__(self, total_samples: int, *, enabled: bool = True, kept_shards: int = 0) -> None:
-        self.total = total_samples
+        self._total = total_samples
         self.samples = 0
         self.tokens = 0
         self.rows = 0
@@ -40,13 +52,25 @@ class JobProgress:
         self.shards_planned = kept_shards
         self.kept_shards = kept_shards
         self.start = time.perf_counter()
-        self._last_log = self.start
+        self._next_log = self.start + LOG_FIRST_S
         self._bar = None
         if enabled and sys.stderr.isatty():
             self._bar = tqdm(
                 total=total_samples, unit="sample", desc="pack", dynamic_ncols=True, smoothing=0.1
             )
         self._log = enabled and self._bar is None
+
+    @property
+    def total(self) -> int:
+        """Samples to tokenize in this run (kept shards' samples excluded)."""
+        return self._total
+
+    @total.setter
+    def total(self, n: int) -> None:
+        self._total = n
+        if self._bar is not None:
+            self._bar.total = n
+            self._bar.refresh()
 
     def tokenized(self, samples: int, tokens: int) -> None:
         self.samples += samples
@@ -65,28 +89,38 @@ class JobProgress:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def refresh(self) -> None:
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.samples / self._total) if self._total else 1.0
+
+    @property
+    def eta(self) -> float:
+        """Seconds left, extrapolated from the samples tokenized so far (nan before any)."""
+        frac = self.fraction
+        return self.elapsed * (1 - frac) / frac if frac > 0 else float("nan")
+
+    def line(self) -> str:
+        """One progress line: percentage, samples of the total, speed, rows, shards, times."""
         rate = self.tokens / self.elapsed if self.elapsed > 0 else 0.0
-        shards = f"{self.shards_written + self.kept_shards}/{self.shards_planned}"
+        return (
+            f"pack: {100 * self.fraction:5.1f}% | samples {self.samples:,}/{self._total:,} | "
+            f"{_si(rate)} tok/s | rows {self.rows:,} | shards {self._shards()} | "
+            f"elapsed {_clock(self.elapsed)} | ETA {_clock(self.eta)}"
+        )
+
+    def _shards(self) -> str:
+        return f"{self.shards_written + self.kept_shards}/{self.shards_planned}"
+
+    def refresh(self) -> None:
         if self._bar is not None:
+            rate = self.tokens / self.elapsed if self.elapsed > 0 else 0.0
             self._bar.set_postfix_str(
-                f"{_si(rate)} tok/s, {self.rows:,} rows, shards {shards}", refresh=False
+                f"{_si(rate)} tok/s, {self.rows:,} rows, shards {self._shards()}", refresh=False
             )
             self._bar.refresh()
-        elif self._log and time.perf_counter() - self._last_log >= LOG_EVERY_S:
-            self._last_log = time.perf_counter()
-            frac = self.samples / self.total if self.total else 1.0
-            eta = self.elapsed * (1 - frac) / frac if frac > 0 else float("nan")
-            log.info(
-                "pack: %.1f%% samples %s/%s | %s tok/s | rows %s | shards %s | ETA %s",
-                100 * frac,
-                f"{self.samples:,}",
-                f"{self.total:,}",
-                _si(rate),
-                f"{self.rows:,}",
-                shards,
-                time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?",
-            )
+        elif self._log and time.perf_counter() >= self._next_log:
+            self._next_log = time.perf_counter() + LOG_EVERY_S
+            log.info("%s", self.line())
 
     def close(self) -> None:
         if self._bar is not None:
@@ -136,4 +170,5 @@ def format_summary(
         lines.append(
             f"  resumed   kept {kept_shards} verified shards of the interrupted run, wrote {len(manifest['shards']) - kept_shards}"
         )
+    lines += skipped_lines(manifest.get("skipped_examples") or [], t["dropped"], "  skipped   ")
     return "\n".join(lines)

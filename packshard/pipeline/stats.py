@@ -1,19 +1,28 @@
 """`packshard stats URL`: what a dataset holds, from manifest.json and index.arrow only.
 
 No token data is read, so stats on a remote dataset of any size costs two small reads. Besides
-the totals it reports what padding every row to seq_len would have cost on the same rows —
-the number packshard exists to remove.
+the totals it reports what padding every row to seq_len would have cost on the same rows (the
+number packshard exists to remove), and the first skipped records with their file:line.
+
+The JSON form (`dataset_stats`) holds the numbers the text form (`format_stats`) prints, rounded
+once, in `dataset_stats`, to the digits the text shows: the padding fraction to 5 decimals
+(printed as a percentage with 3), the fill fractions to 4 (2), means to 2, medians exactly (a
+median of integers is an integer or ends in .5). The text prints each JSON value with exactly
+those digits, so the two never disagree.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from packshard.packers import ShardDataset
+
+SHOWN_EXAMPLES = 5  # skipped records printed by stats and the job's summary
+MAX_EXAMPLES = 20  # skipped records the manifest keeps (scheduler.merge_counters)
 
 
 def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
@@ -47,22 +56,67 @@ def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
         "num_tokens": true_tokens,
         "padded_tokens": padded_tokens,
         "loss_tokens": int(ds.index_column("num_loss_tokens").astype(np.int64).sum()),
-        "padding_fraction": (padded_tokens - true_tokens) / padded_tokens if padded_tokens else 0.0,
-        "fill_vs_seq_len": true_tokens / seq_tokens if seq_tokens else 0.0,
-        "pad_to_seq_len_fraction": (seq_tokens - true_tokens) / seq_tokens if seq_tokens else 0.0,
+        "padding_fraction": _fraction(padded_tokens - true_tokens, padded_tokens, 5),
+        "fill_vs_seq_len": _fraction(true_tokens, seq_tokens, 4),
+        "pad_to_seq_len_fraction": _fraction(seq_tokens - true_tokens, seq_tokens, 4),
         "docs_per_row": {
-            "mean": float(docs.mean()) if rows else 0.0,
-            "median": float(np.median(docs)) if rows else 0.0,
+            "mean": round(float(docs.mean()), 2) if rows else 0.0,
+            "median": _median(docs),
             "max": int(docs.max()) if rows else 0,
         },
         "row_tokens": {
             "min": int(num_tokens.min()) if rows else 0,
-            "median": float(np.median(num_tokens)) if rows else 0.0,
+            "median": _median(num_tokens),
             "max": int(num_tokens.max()) if rows else 0,
         },
         "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
         "bytes": sum(s.bytes for s in ds.shards),
+        "skipped_examples": [list(e) for e in ds.manifest.get("skipped_examples") or []],
     }
+
+
+def _fraction(part: int, whole: int, decimals: int) -> float:
+    """part / whole rounded to the digits the text shows (as a percentage, 2 fewer decimals)."""
+    return round(part / whole, decimals) if whole else 0.0
+
+
+def _median(values: np.ndarray) -> int | float:
+    """The median of integers: an int, or a float ending in .5 (exact either way)."""
+    if not values.size:
+        return 0
+    m = float(np.median(values))
+    return int(m) if m.is_integer() else m
+
+
+def _num(x: int | float) -> str:
+    """A count or median as the JSON holds it: 575 -> "575", 575.5 -> "575.5", thousands split."""
+    return f"{x:,}" if isinstance(x, int) or not float(x).is_integer() else f"{int(x):,}"
+
+
+def skipped_lines(
+    examples: Sequence[Sequence[Any]], dropped: Mapping[str, int], label: str = "skipped      "
+) -> list[str]:
+    """The first skipped records as ``file:line: reason: detail`` lines (stats; the job's
+    summary passes its own `label` column)."""
+    shown = [e for e in examples if len(e) >= 4][:SHOWN_EXAMPLES]
+    if not shown:
+        return []
+    bad = sum(n for reason, n in dropped.items() if reason != "overlong")
+    lines = [
+        f"{label}the first {len(shown)} of {bad:,} bad records"
+        + (
+            f" (manifest.json's skipped_examples lists up to {MAX_EXAMPLES})"
+            if bad > len(shown)
+            else ""
+        )
+        + ":"
+    ]
+    for e in shown:
+        text = f"{e[1]}: {e[2]}: {e[3]}"
+        lines.append(
+            f"{' ' * (len(label) - len(label.lstrip()) + 2)}{text[:240]}{'...' if len(text) > 240 else ''}"
+        )
+    return lines
 
 
 def format_stats(st: Mapping[str, Any]) -> str:
@@ -74,12 +128,13 @@ def format_stats(st: Mapping[str, Any]) -> str:
         f"shards       {st['shards']:,} ({st['bytes'] / 2**20:,.1f} MiB)",
         f"samples      in {_n(st['samples_in'])}  kept {_n(st['samples_kept'])}  dropped: {dropped}",
         f"rows         {st['rows']:,}  documents {st['documents']:,}  "
-        f"docs/row mean {st['docs_per_row']['mean']:.2f} median {st['docs_per_row']['median']:.0f} max {st['docs_per_row']['max']}",
+        f"docs/row mean {st['docs_per_row']['mean']:.2f} median {_num(st['docs_per_row']['median'])} max {st['docs_per_row']['max']}",
         f"tokens       true {st['num_tokens']:,}  padded {st['padded_tokens']:,}  loss {st['loss_tokens']:,}",
         f"padding      {100 * st['padding_fraction']:.3f}% of padded tokens (rows padded to a multiple of {st['pad_multiple']})",
         f"fill         {100 * st['fill_vs_seq_len']:.2f}% of rows x seq_len; padding every row to seq_len "
         f"would waste {100 * st['pad_to_seq_len_fraction']:.2f}%",
-        f"row tokens   min {st['row_tokens']['min']:,}  median {st['row_tokens']['median']:,.0f}  max {st['row_tokens']['max']:,}",
+        f"row tokens   min {st['row_tokens']['min']:,}  median {_num(st['row_tokens']['median'])}  max {st['row_tokens']['max']:,}",
+        *skipped_lines(st.get("skipped_examples") or [], st["dropped"]),
         "row-length histogram (true tokens per row):",
     ]
     edges, counts = st["histogram"]["edges"], st["histogram"]["counts"]

@@ -23,20 +23,26 @@ CONFIG = {
 }
 
 
+def _write(url: str, ids: list[np.ndarray], config: dict, totals: dict, **writer_kw):
+    """Pack `ids` with the foundation packer and commit them at `url`: (batch, manifest)."""
+    batch, _ = pack_table(
+        pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))}),
+        seq_len=config["seq_len"],
+        pad_multiple=config["pad_multiple"],
+        pad_token_id=0,
+    )
+    w = DatasetWriter(url, config, **writer_kw)
+    w.write(batch)
+    return batch, w.close(totals)
+
+
 @pytest.fixture
 def dataset(tmp_path):
     rng = np.random.default_rng(3)
     ids = [rng.integers(1, 500, int(k)).astype(np.int32) for k in rng.integers(1, 700, 500)]
-    batch, _ = pack_table(
-        pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))}),
-        seq_len=1024,
-        pad_multiple=8,
-        pad_token_id=0,
-    )
     url = str(tmp_path / "ds")
-    w = DatasetWriter(url, CONFIG, max_rows=40)
-    w.write(batch)
-    manifest = w.close({"samples_in": 503, "samples_kept": 500, "dropped": {"no_loss_tokens": 3}})
+    totals = {"samples_in": 503, "samples_kept": 500, "dropped": {"no_loss_tokens": 3}}
+    batch, manifest = _write(url, ids, CONFIG, totals, max_rows=40)
     return url, batch, manifest
 
 
@@ -48,11 +54,52 @@ def test_stats_json_reads_manifest_and_index(dataset, capsys):
     padded = sum(len(x) for x in batch.column("input_ids").to_pylist())
     assert st["rows"] == batch.num_rows
     assert st["num_tokens"] == num_tokens and st["padded_tokens"] == padded
-    assert st["padding_fraction"] == pytest.approx((padded - num_tokens) / padded)
-    assert st["pad_to_seq_len_fraction"] == pytest.approx(1 - num_tokens / (batch.num_rows * 1024))
+    # rounded once, to the digits the text prints (percentages to 3 and 2 decimals)
+    assert st["padding_fraction"] == round((padded - num_tokens) / padded, 5)
+    assert st["pad_to_seq_len_fraction"] == round(1 - num_tokens / (batch.num_rows * 1024), 4)
     assert st["samples_in"] == 503 and st["dropped"] == {"no_loss_tokens": 3}
     assert st["documents"] == 500
     assert sum(st["histogram"]["counts"]) == batch.num_rows
+
+
+def test_stats_text_prints_the_json_values(dataset, capsys):
+    """One rounding: every number of the text is the JSON's value, in the same digits."""
+    url, _, _ = dataset
+    assert main(["stats", url, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert main(["stats", url]) == 0
+    text = capsys.readouterr().out
+
+    def same(value: float | int) -> str:
+        return (
+            f"{value:,}"
+            if not isinstance(value, float) or not value.is_integer()
+            else f"{int(value):,}"
+        )
+
+    rt, dr = st["row_tokens"], st["docs_per_row"]
+    assert f"median {same(rt['median'])}  max {rt['max']:,}" in text
+    assert f"median {same(dr['median'])} max {dr['max']}" in text
+    assert f"mean {dr['mean']:.2f}" in text and round(dr["mean"], 2) == dr["mean"]
+    assert f"padding      {100 * st['padding_fraction']:.3f}%" in text
+    assert float(f"{100 * st['padding_fraction']:.3f}") / 100 == pytest.approx(
+        st["padding_fraction"], abs=1e-12
+    )
+    assert f"would waste {100 * st['pad_to_seq_len_fraction']:.2f}%" in text
+
+
+def test_median_of_an_even_number_of_rows_keeps_its_half(tmp_path, capsys):
+    """A median of integers that ends in .5 is printed as such in both forms (the text used
+    to round it to the integer the JSON did not hold)."""
+    ids = [np.arange(1, n + 1, dtype=np.int32) for n in (10, 11)]
+    url = str(tmp_path / "even")
+    config = {**CONFIG, "seq_len": 16, "pad_multiple": 1}
+    _write(url, ids, config, {"samples_in": 2, "samples_kept": 2, "dropped": {}})
+    assert main(["stats", url, "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["row_tokens"]["median"] == 10.5
+    assert main(["stats", url]) == 0
+    assert "median 10.5  max 11" in capsys.readouterr().out
 
 
 def test_stats_text_and_plot(dataset, tmp_path, capsys):
