@@ -26,6 +26,7 @@ from typing import Any
 import fsspec
 
 from packshard.packers import url_to_fs
+from packshard.pipeline.storage import storage_errors
 
 DEMO_SCHEME = "demo://"
 _EXTENSIONS = {
@@ -76,14 +77,18 @@ def redact_text(text: str) -> str:
 
 
 class InputError(ValueError):
-    """An input cannot be listed or read (names the input and the fix)."""
+    """An input cannot be listed or read (names the input and the fix; URLs in the message
+    are redacted, so it can be printed and logged as is)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(message))
 
 
 @dataclass(frozen=True)
 class InputFile:
     """One input file, as resolved and counted. `url` keeps its protocol (plain path if local)."""
 
-    url: str
+    url: str  # as resolved, credentials included: never written or printed (see `display`)
     format: str
     compression: str | None = None
     size: int = 0
@@ -91,8 +96,19 @@ class InputFile:
     records: int = -1
     checkpoints: tuple[tuple[int, int], ...] = ()  # (byte offset, line number) of record k*STRIDE
 
+    @property
+    def display(self) -> str:
+        """The URL without user info or query string: what messages, logs and files show."""
+        return redact_url(self.url)
+
+    def identity(self) -> dict[str, Any]:
+        """What the manifest's ``config.inputs`` records of this file (no credentials)."""
+        return {"url": self.display, "bytes": self.size, "version": self.version}
+
     def to_json(self) -> dict[str, Any]:
+        """For the job's plan: the redacted URL (a resume matches it with the listed file)."""
         d = asdict(self)
+        d["url"] = self.display
         d["checkpoints"] = [list(c) for c in self.checkpoints]
         return d
 
@@ -101,8 +117,15 @@ class InputFile:
         return cls(**{**d, "checkpoints": tuple(tuple(c) for c in d.get("checkpoints", ()))})
 
 
+def _without_query(path: str) -> str:
+    """An http(s) URL's path without its query (a signed URL's signature): where "?" is no glob."""
+    if path.lower().startswith(("http://", "https://")):
+        return path.split("#", 1)[0].split("?", 1)[0]
+    return path
+
+
 def _format_of(path: str) -> tuple[str, str | None] | None:
-    name = posixpath.basename(path).lower()
+    name = posixpath.basename(_without_query(path)).lower()
     compression = None
     for ext, comp in _COMPRESSIONS.items():
         if name.endswith(ext):
@@ -122,7 +145,16 @@ def _join(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 
 def _version(info: Mapping[str, Any]) -> str:
-    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+    for key in (
+        "ETag",
+        "etag",
+        "md5Hash",
+        "mtime",
+        "LastModified",
+        "Last-Modified",
+        "last_modified",
+        "created",
+    ):
         if info.get(key) is not None:
             return f"{key}={info[key]}"
     return ""
@@ -132,15 +164,34 @@ def resolve_inputs(
     specs: Sequence[str], *, storage_options: Mapping[str, Any] | None = None, split: str = "train"
 ) -> list[InputFile]:
     """Every input file, in the order given (each glob / directory expanded sorted)."""
-    files: list[InputFile] = []
+    return [
+        f
+        for found in resolve_specs(specs, storage_options=storage_options, split=split)
+        for f in found
+    ]
+
+
+def resolve_specs(
+    specs: Sequence[str], *, storage_options: Mapping[str, Any] | None = None, split: str = "train"
+) -> list[list[InputFile]]:
+    """The files of each spec, in the order given; InputError for a spec that matches none."""
+    if not specs:
+        raise InputError("no inputs given (pass --input, or --demo)")
+    resolved = []
     for spec in specs:
         found = _resolve_one(spec, storage_options, split)
         if not found:
             raise InputError(f"input {spec!r} matches no readable files")
-        files.extend(found)
-    if not files:
-        raise InputError("no inputs given (pass --input, or --demo)")
-    return files
+        resolved.append(found)
+    return resolved
+
+
+def _is_glob(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Glob characters the user wrote; an http(s) URL's query ("?sig=...") is not a glob."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if {"http", "https"} & set(protocols):
+        return any(c in _without_query(path) for c in "*[")
+    return any(c in path for c in "*?[")
 
 
 def _resolve_one(
@@ -153,7 +204,7 @@ def _resolve_one(
     except (ImportError, ValueError) as e:
         raise InputError(f"input {spec!r}: cannot open its filesystem ({e})") from None
     try:
-        if any(c in path for c in "*?["):
+        if _is_glob(fs, path):
             paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
             return [_file(fs, p, spec) for p in paths if _format_of(p)]
         if fs.isdir(path):
@@ -162,7 +213,7 @@ def _resolve_one(
             return [_file(fs, path, spec, strict=True)]
     except PermissionError as e:
         raise InputError(f"input {spec!r}: permission denied ({e})") from None
-    except OSError as e:
+    except (OSError, *storage_errors()) as e:
         raise InputError(f"input {spec!r}: cannot be listed ({type(e).__name__}: {e})") from None
     if _looks_like_hub_name(spec):
         return _hub_dataset(spec, storage_options, split)
@@ -236,9 +287,7 @@ def _hub_dataset(
     try:
         fs, path = url_to_fs(url, storage_options)
         paths = sorted(p for p in fs.find(path) if _format_of(p))
-    except (
-        Exception
-    ) as e:  # the hub client raises its HTTP library's errors (not OSError): report them
+    except (ImportError, ValueError, OSError, *storage_errors()) as e:
         raise InputError(
             f"input {name!r} is not a local path, and the Hugging Face hub dataset of that name cannot "
             f"be listed ({type(e).__name__}: {e}); check the name and network access"

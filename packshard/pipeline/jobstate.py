@@ -37,6 +37,8 @@ import fsspec
 
 from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, shard_name
 from packshard.packers.writer import write_json_atomic
+from packshard.pipeline.inputs import redact_text
+from packshard.pipeline.storage import describe, storage_errors
 
 log = logging.getLogger(__name__)
 
@@ -44,26 +46,74 @@ JOB_DIR = "_packshard"
 PLAN_NAME = f"{JOB_DIR}/plan.json"
 MARKERS_DIR = f"{JOB_DIR}/shards"
 JOB_STATE_VERSION = 1
+PROBE_PREFIX = ".packshard-write-probe-"
+OUR_NAMES = frozenset({MANIFEST_NAME, INDEX_NAME, SHARDS_DIR, JOB_DIR})
+TMP_NAMES = frozenset({f"{MANIFEST_NAME}.tmp", f"{INDEX_NAME}.tmp"})
 
 
 class OutputError(ValueError):
-    """The output cannot be used as asked (not writable, or holds a different dataset)."""
+    """The output cannot be used as asked (not writable, or holds a different dataset); URLs in
+    the message are redacted."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(message))
 
 
 def marker_path(root: str, number: int) -> str:
     return f"{root}/{MARKERS_DIR}/{shard_name(number).split('/')[-1].replace('.arrow', '.json')}"
 
 
+def _our_name(name: str) -> bool:
+    """A top-level name a pack job writes under OUT (see the module docstring)."""
+    return name in OUR_NAMES or name.startswith(PROBE_PREFIX) or name in TMP_NAMES
+
+
+def foreign_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """Names under OUT that no pack job writes (sorted); empty when OUT does not exist."""
+    if not fs.exists(root) or not fs.isdir(root):
+        return []
+    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+    return sorted(n for n in names if n and not _our_name(n))
+
+
+def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+    """Before any work: OUT is a file-free place for a dataset, and writable.
+
+    A non-empty OUT that holds neither a dataset nor an unfinished job is refused, whatever the
+    flags (--overwrite deletes only what a pack job writes, so it would leave the user's files
+    mixed with ours). Then a probe file is written and deleted.
+    """
+    try:
+        if fs.exists(root) and not fs.isdir(root):
+            raise OutputError(f"output {url} is a file; give a directory (or a URL prefix)")
+        if not fs.exists(f"{root}/{MANIFEST_NAME}") and not fs.exists(f"{root}/{PLAN_NAME}"):
+            foreign = foreign_entries(fs, root)
+            if foreign:
+                shown = ", ".join(foreign[:5]) + (
+                    f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+                )
+                raise OutputError(
+                    f"output {url} is not empty and holds no packshard dataset ({shown}): pack into a "
+                    "new or empty directory (packshard never mixes its files with others, and "
+                    "--overwrite deletes only what a pack job wrote)"
+                )
+    except (OSError, ValueError, *storage_errors()) as e:
+        if isinstance(e, OutputError):
+            raise
+        raise OutputError(f"output {url} is not writable ({describe(e)})") from None
+    check_writable(fs, root, url)
+
+
 def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
     """Write and delete a probe file in OUT, before any work starts."""
-    probe = f"{root}/.packshard-write-probe-{uuid.uuid4().hex}"
+    probe = f"{root}/{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
         fs.makedirs(root, exist_ok=True)
         with fs.open(probe, "wb") as f:
             f.write(b"packshard write probe\n")
         fs.rm(probe)
-    except (OSError, ValueError) as e:
-        raise OutputError(f"output {url} is not writable ({type(e).__name__}: {e})") from None
+    except (OSError, ValueError, *storage_errors()) as e:
+        raise OutputError(f"output {url} is not writable ({describe(e)})") from None
 
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -142,11 +192,23 @@ def inspect_output(
         diffs += config_diff(_comparable(plan.get("config", {})), _comparable(config))
         if not diffs:
             return OutputState("resume", plan=plan, markers=read_markers(fs, root))
+        listed = "\n  ".join(diffs[:20])
+        shards = count_markers(fs, root)
+        if not shards:
+            # it committed nothing (typically it failed on a bad record before its first shard):
+            # nothing is lost by starting over, and the fix its error suggested just works
+            log.warning(
+                "replacing the unfinished pack job in %s: it wrote no shards, and its config differs:\n  %s",
+                url,
+                listed,
+            )
+            clear_output(fs, root)
+            return OutputState("fresh")
         if not overwrite:
             raise OutputError(
-                f"{url} holds an unfinished pack job with a different config (or inputs that changed since):\n  "
-                + "\n  ".join(diffs[:20])
-                + "\nrerun with its original flags to resume it, or pass --overwrite to start over"
+                f"{url} holds an unfinished pack job with {shards} verified shard(s) and a different "
+                f"config (or inputs that changed since):\n  {listed}\nrerun with its original flags "
+                "to resume it, or pass --overwrite to discard its shards and start over with this config"
             )
         clear_output(fs, root)
         return OutputState("fresh")
@@ -158,6 +220,14 @@ def inspect_output(
             )
         clear_output(fs, root)
     return OutputState("fresh")
+
+
+def count_markers(fs: fsspec.AbstractFileSystem, root: str) -> int:
+    """How many shard markers (verified shards) an unfinished job has written."""
+    base = f"{root}/{MARKERS_DIR}"
+    if not fs.exists(base):
+        return 0
+    return sum(1 for p in fs.ls(base, detail=False) if p.endswith(".json"))
 
 
 def read_markers(fs: fsspec.AbstractFileSystem, root: str) -> dict[int, dict[str, Any]]:

@@ -24,12 +24,13 @@ Exit status: 0 done (or nothing to do), 1 the job failed (message names the reco
 shard), 2 bad flags, 130/143 stopped by SIGINT/SIGTERM (rerun the same command to resume).
 """
 
-# ruff: noqa: E402 (the extra is checked before the imports that need it)
+# ruff: noqa: E402 (the environment is checked before the imports that need it)
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -37,64 +38,76 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packshard._extras import require_extra
+from packshard._extras import EXTRAS, MissingExtraError
 
-require_extra("pack", "the pack job (packshard pack)")
+RAY_START_ATTEMPTS = 3
 
-from packshard.packers import (
-    FormatError,
-    ShardDataset,
-    finalize_dataset,
-    rows_per_batch_for,
-    url_to_fs,
-)
-from packshard.packers.format import MANIFEST_NAME
-from packshard.pipeline.chat_template import check_renderer, hf_exact_render
+
+def check_environment() -> None:
+    """Fail at once, naming the fix, when this Python lacks what the job imports.
+
+    Under `ray job submit` the entrypoint's ``python`` is the first one on the Ray head's PATH
+    when ``ray start`` ran, which need not be the environment packshard is installed in.
+    Only `find_spec` is used: nothing is imported.
+    """
+    missing = [
+        m
+        for m in ("numpy", "pyarrow", "fsspec", *EXTRAS["pack"])
+        if importlib.util.find_spec(m) is None
+    ]
+    if not missing:
+        return
+    message = f"the pack job needs {', '.join(missing)}, which this Python ({sys.executable}) lacks"
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or os.environ.get("RAY_ADDRESS"):
+        message += (
+            ". Under `ray job submit` the job's `python` is the first on the Ray head's PATH when "
+            "`ray start` ran: start the head from the environment that has packshard[pack] (its "
+            "venv activated, or deploy/Dockerfile's image), or submit with --runtime-env-json "
+            '\'{"env_vars": {"PATH": "/path/to/venv/bin:${PATH}"}}\' (docs/OPERATIONS.md)'
+        )
+    else:
+        message += ": pip install 'packshard[pack]'"
+    raise MissingExtraError(message, name=missing[0])
+
+
+check_environment()
+
+from packshard.packers import FormatError, ShardDataset, finalize_dataset, rows_per_batch_for
 from packshard.pipeline.config import PackConfig, config_from_args
-from packshard.pipeline.inputs import InputError, InputFile, resolve_inputs
+from packshard.pipeline.inputs import InputError, InputFile, redact_text, redact_url
 from packshard.pipeline.jobstate import (
     OutputError,
     OutputState,
-    check_writable,
     inspect_output,
     remove_job_state,
     write_plan,
 )
-from packshard.pipeline.planning import sample_order
+from packshard.pipeline.preflight import preflight
 from packshard.pipeline.progress import JobProgress, format_summary
-from packshard.pipeline.scheduler import (
-    InputCounter,
-    Interrupted,
-    JobError,
-    Scheduler,
-    StopFlag,
-    check_kept,
-    merge_counters,
-    plan_blocks,
-)
 from packshard.pipeline.stats import dataset_stats, format_stats
-from packshard.pipeline.tasks import WorkSpec
-from packshard.pipeline.tokenization import (
-    SampleEncoder,
+from packshard.pipeline.tokenizer_loading import (
     TokenizerError,
-    load_tokenizer,
+    TokenizerSource,
+    load_located,
     pad_token_id_of,
 )
+
+if TYPE_CHECKING:
+    from packshard.pipeline.scheduler import InputCounter, StopFlag
+    from packshard.pipeline.tokenization import SampleEncoder
 
 log = logging.getLogger("packshard.pipeline.pack")
 
 USER_ERRORS = (InputError, OutputError, TokenizerError, FormatError)
-RAY_START_ATTEMPTS = 3
 
 
 def _stats_text(url: str, storage_options: Any) -> str:
     with ShardDataset.open(url, storage_options=storage_options) as ds:
-        return format_stats(dataset_stats(ds))
+        return redact_text(format_stats(dataset_stats(ds)))
 
 
 def start_ray(cfg: PackConfig) -> bool:
@@ -130,10 +143,14 @@ def start_local_ray(num_cpus: int | None) -> None:
                 logging_level=logging.WARNING,
             )
             return
-        except Exception as e:  # Ray raises a bare Exception when its node does not come up
+        except Exception as e:  # ray/_private/node.py raises exactly Exception for this case
             # Ray's driver gives the node 30 s to register; a loaded machine can miss that.
-            # That is worth another try; anything else is not.
-            if "timed out during startup" not in str(e) or attempt == RAY_START_ATTEMPTS:
+            # That is worth another try; anything else (another type or message) is re-raised.
+            if (
+                type(e) is not Exception
+                or "timed out during startup" not in str(e)
+                or attempt == RAY_START_ATTEMPTS
+            ):
                 raise
             log.warning(
                 "local Ray did not start in time (attempt %d of %d); retrying",
@@ -178,13 +195,16 @@ class DriverTokenizer:
     pad_token_id: int
 
 
-def prepare_tokenizer(cfg: PackConfig) -> DriverTokenizer:
+def prepare_tokenizer(cfg: PackConfig, source: TokenizerSource | None) -> DriverTokenizer:
     """Load the tokenizer once, check that packshard renders its chat template exactly like
     `apply_chat_template`, and that the loss roles exist in it."""
-    if cfg.tokenizer is None:
+    if source is None:
         assert cfg.pad_token_id is not None  # PackConfig requires it without a tokenizer
         return DriverTokenizer(None, None, cfg.pad_token_id)
-    tok = load_tokenizer(cfg.tokenizer, cfg.trust_remote_code, cfg.tokenizer_revision)
+    from packshard.pipeline.chat_template import check_renderer, hf_exact_render
+    from packshard.pipeline.tokenization import SampleEncoder
+
+    tok = load_located(source, cfg.trust_remote_code)
     encoder = SampleEncoder(tok, loss_roles=cfg.loss_roles, template_kwargs=cfg.template_kwargs)
     if encoder.renderer is not None:
         check_renderer(encoder.renderer, hf_exact_render(tok, cfg.template_kwargs))
@@ -193,9 +213,7 @@ def prepare_tokenizer(cfg: PackConfig) -> DriverTokenizer:
             f"--loss-roles {','.join(cfg.loss_roles)}: the chat template renders none of them"
         )
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else pad_token_id_of(tok)
-    return DriverTokenizer(
-        encoder, {"name": cfg.tokenizer, "fingerprint": encoder.payload.fingerprint}, pad_id
-    )
+    return DriverTokenizer(encoder, source.manifest_entry(encoder.payload.fingerprint), pad_id)
 
 
 def _cluster_cpus() -> int:
@@ -205,49 +223,45 @@ def _cluster_cpus() -> int:
 
 
 def run(cfg: PackConfig) -> int:
-    """Run the job for a validated config (raises the errors `main` reports)."""
-    import ray
+    """Run the job for a validated config (raises the errors `main` reports).
 
+    Every check that needs no Ray runs first (`preflight`, then the tokenizer and the output's
+    state), so a user error never waits for Ray; only a job with work to do starts it.
+    """
     t0 = time.perf_counter()
     phase = _Phases()
-    try:
-        fs, root = url_to_fs(cfg.output, cfg.storage_options)
-    except (ValueError, ImportError) as e:
-        raise OutputError(f"output {cfg.output!r}: {e}") from None
-    check_writable(fs, root, cfg.output)
-    files = resolve_inputs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
-    started, counter = False, None
-    try:
-        # Loading the tokenizer (~5 s with transformers' imports) overlaps Ray's start-up, unless
-        # a committed dataset is there: then the job may have nothing to do and no Ray is needed.
-        with ThreadPoolExecutor(1) as pool:
-            loading = pool.submit(prepare_tokenizer, cfg)
-            if not fs.exists(f"{root}/{MANIFEST_NAME}"):
-                started = start_ray(cfg)
-                counter = InputCounter(files, cfg.storage_options, 2 * _cluster_cpus())  # meanwhile
-            tokenizer = loading.result()
-        phase("loaded the tokenizer and started Ray")
-        identity = [{"url": f.url, "bytes": f.size, "version": f.version} for f in files]
-        config = cfg.dataset_config(
-            tokenizer=tokenizer.info, pad_token_id=tokenizer.pad_token_id, inputs=identity
+    checked = preflight(cfg)
+    phase(f"checked the output, {len(checked.files)} input file(s) and the tokenizer")
+    tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
+    phase("loaded the tokenizer")
+    fs, root, files = checked.fs, checked.root, checked.files
+    config = cfg.dataset_config(
+        tokenizer=tokenizer.info,
+        pad_token_id=tokenizer.pad_token_id,
+        inputs=[f.identity() for f in files],
+    )
+    state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
+    if state.status == "complete":
+        print(
+            f"packshard pack: {redact_url(cfg.output)} already holds this dataset (same inputs and config); nothing to do"
         )
-        state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
-        if state.status == "complete":
-            print(
-                f"packshard pack: {cfg.output} already holds this dataset (same inputs and config); nothing to do"
-            )
-            print(_stats_text(cfg.output, cfg.storage_options))
-            return 0
-        started = start_ray(cfg) or started
+        print(_stats_text(cfg.output, cfg.storage_options))
+        return 0
+    import ray
+
+    from packshard.pipeline.scheduler import InputCounter, StopFlag
+
+    started, counter = start_ray(cfg), None
+    try:
+        phase("started Ray" if started else "joined Ray")
         stop = StopFlag()
         with stop_on_signals(stop):
             if state.status == "resume":  # the plan holds the counts
-                if counter is not None:
-                    counter.cancel()
-                counter = None
-            elif counter is None:
+                assert state.plan is not None
+                files = resumed_files(files, state.plan)
+            else:
                 counter = InputCounter(files, cfg.storage_options, 2 * _cluster_cpus())
-            job = _pack(cfg, fs, root, counter, tokenizer, config, state, stop, phase, t0)
+            job = _pack(cfg, fs, root, files, counter, tokenizer, config, state, stop, phase, t0)
     finally:
         if counter is not None:
             counter.cancel()  # no-op once counted; stops counting when the job ends early
@@ -256,7 +270,7 @@ def run(cfg: PackConfig) -> int:
     print(
         format_summary(
             job.manifest,
-            url=cfg.output,
+            url=redact_url(cfg.output),
             seconds=time.perf_counter() - t0,
             tokenized_tokens=job.tokens,
             workers=job.workers,
@@ -266,6 +280,23 @@ def run(cfg: PackConfig) -> int:
     print()
     print(_stats_text(cfg.output, cfg.storage_options))
     return 0
+
+
+def resumed_files(files: list[InputFile], plan: dict[str, Any]) -> list[InputFile]:
+    """The listed files with the record counts and seek points of the unfinished job's plan.
+
+    The plan holds redacted URLs (no credentials are written), so the files to read are the
+    ones listed now; `inspect_output` has checked that they are the plan's (URL, size, version).
+    """
+    planned = [InputFile.from_json(d) for d in plan["inputs"]]
+    if [redact_url(p.url) for p in planned] != [f.display for f in files]:
+        raise OutputError(
+            "the unfinished job's plan lists other input files than this run; rerun with --overwrite"
+        )
+    return [
+        replace(f, records=p.records, checkpoints=p.checkpoints)
+        for f, p in zip(files, planned, strict=True)
+    ]
 
 
 @dataclass
@@ -280,6 +311,7 @@ def _pack(
     cfg: PackConfig,
     fs: Any,
     root: str,
+    files: list[InputFile],
     counter: InputCounter | None,
     tokenizer: DriverTokenizer,
     config: dict[str, Any],
@@ -290,6 +322,10 @@ def _pack(
 ) -> _Done:
     """Count, plan, tokenize, pack, write and commit (Ray is up)."""
     import ray
+
+    from packshard.pipeline.planning import sample_order
+    from packshard.pipeline.scheduler import Scheduler, check_kept, merge_counters, plan_blocks
+    from packshard.pipeline.tasks import WorkSpec
 
     workers = cfg.num_workers or _cluster_cpus()
     payload = tokenizer.encoder.payload if tokenizer.encoder is not None else None
@@ -306,10 +342,10 @@ def _pack(
     if counter is not None:
         files = counter.result(stop)
     else:
-        assert state.status == "resume" and state.plan is not None
-        files = [InputFile.from_json(d) for d in state.plan["inputs"]]
         log.info(
-            "resuming the unfinished job in %s (%d shard markers)", cfg.output, len(state.markers)
+            "resuming the unfinished job in %s (%d shard markers)",
+            redact_url(cfg.output),
+            len(state.markers),
         )
     num_samples = sum(f.records for f in files)
     phase(f"counted {len(files)} input files: {num_samples:,} records")
@@ -367,9 +403,34 @@ class _Phases:
         self.last = now
 
 
+class _RedactingFilter(logging.Filter):
+    """Strips credentials from every URL in a log record (`inputs.redact_text`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_text(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
 def _setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    """packshard's INFO lines on stderr, once; other libraries keep their own handlers (a
+    handler on the root logger would print their lines a second time)."""
+    logger = logging.getLogger("packshard")
+    if not any(isinstance(f, _RedactingFilter) for h in logger.handlers for f in h.filters):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(_RedactingFilter())
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _scheduler_error(name: str) -> tuple[type[BaseException], ...]:
+    """`scheduler.<name>` once the scheduler is imported (before that it cannot be raised)."""
+    module = sys.modules.get("packshard.pipeline.scheduler")
+    return (getattr(module, name),) if module is not None else ()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -379,11 +440,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config_from_args(argv)
     except ValueError as e:
-        print(f"packshard pack: error: {e}", file=sys.stderr)
+        print(f"packshard pack: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     try:
         return run(cfg)
-    except Interrupted as e:
+    except _scheduler_error("Interrupted") as e:
         name = str(e) or "a signal"
         print(
             f"packshard pack: stopped by {name}; the shards written so far are kept. "
@@ -391,8 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130 if name == "SIGINT" else 143
-    except (JobError, *USER_ERRORS) as e:
-        print(f"packshard pack: error: {e}", file=sys.stderr)
+    except (*_scheduler_error("JobError"), *USER_ERRORS) as e:
+        print(f"packshard pack: error: {redact_text(str(e))}", file=sys.stderr)
         return 1
 
 

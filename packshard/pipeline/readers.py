@@ -15,12 +15,13 @@ not UTF-8 or not JSON comes as a `BadRecord` (``invalid_utf8``, ``malformed_json
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import io
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
 import pyarrow as pa
@@ -32,6 +33,7 @@ from packshard.pipeline.samples import BadRecord
 
 STRIDE = 1024
 TEXT_FORMATS = ("jsonl", "txt")
+Record = tuple[str, Any]  # (location, decoded record or BadRecord)
 
 
 @functools.lru_cache(maxsize=2)
@@ -46,16 +48,18 @@ def demo_records_cached(url: str) -> tuple[dict[str, Any], ...]:
 # ---- counting --------------------------------------------------------------------------
 
 
-def _open(f: InputFile, storage_options: Mapping[str, Any] | None) -> BinaryIO:
+def _open(
+    f: InputFile, storage_options: Mapping[str, Any] | None, block_size: int | None = None
+) -> BinaryIO:
     fs, path = url_to_fs(f.url, storage_options)
     try:
-        raw = fs.open(path, "rb")
+        raw = fs.open(path, "rb", **({"block_size": block_size} if block_size else {}))
     except FileNotFoundError:
         raise InputError(
-            f"{f.url}: the input disappeared (it was listed when the job started)"
+            f"{f.display}: the input disappeared (it was listed when the job started)"
         ) from None
     except PermissionError as e:
-        raise InputError(f"{f.url}: permission denied ({e})") from None
+        raise InputError(f"{f.display}: permission denied ({e})") from None
     if f.compression == "gzip":
         return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
     if f.compression == "zstd":
@@ -69,7 +73,7 @@ def count_records(f: InputFile, storage_options: Mapping[str, Any] | None = None
     """`f` with `records` (and `checkpoints` for seekable text files) filled in."""
     if f.records >= 0:
         return f
-    try:
+    with _unreadable(f):
         if f.format in TEXT_FORMATS:
             return _count_lines(f, storage_options)
         if f.format == "json":
@@ -87,13 +91,20 @@ def count_records(f: InputFile, storage_options: Mapping[str, Any] | None = None
                 )
             if f.format == "arrow_stream":
                 return _replace(f, records=sum(b.num_rows for b in pa.ipc.open_stream(fh)))
+    raise InputError(f"{f.display}: unknown format {f.format!r}")
+
+
+@contextlib.contextmanager
+def _unreadable(f: InputFile) -> Iterator[None]:
+    """Errors of reading `f` whole or in part, as one InputError naming it."""
+    try:
+        yield
+    except InputError:
+        raise
     except (OSError, EOFError, pa.ArrowInvalid, ValueError) as e:
-        if isinstance(e, InputError):
-            raise
         raise InputError(
-            f"{f.url}: unreadable {f.format} input ({type(e).__name__}: {e})"
+            f"{f.display}: unreadable {f.format} input ({type(e).__name__}: {e})"
         ) from None
-    raise InputError(f"{f.url}: unknown format {f.format!r}")
 
 
 def _replace(f: InputFile, **changes: Any) -> InputFile:
@@ -121,14 +132,14 @@ def _json_records(f: InputFile, storage_options: Mapping[str, Any] | None) -> li
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{f.url}: not valid UTF-8 at byte {e.start}") from None
+        raise InputError(f"{f.display}: not valid UTF-8 at byte {e.start}") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON lines in a .json file
             return [json.loads(line) for line in text.splitlines() if line.strip()]
         raise InputError(
-            f"{f.url}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+            f"{f.display}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
     if isinstance(doc, list):
         return doc
@@ -137,12 +148,57 @@ def _json_records(f: InputFile, storage_options: Mapping[str, Any] | None) -> li
         if len(lists) == 1:
             return lists[0]
         return [doc]
-    raise InputError(f"{f.url}: the JSON document is a {type(doc).__name__}, not records")
+    raise InputError(f"{f.display}: the JSON document is a {type(doc).__name__}, not records")
+
+
+# ---- peeking (the pre-flight check) -----------------------------------------------------
+
+PEEK_BLOCK = 1 << 20  # bytes fetched to find a remote text file's first record
+PEEK_JSON_MAX = 64 << 20  # a .json document is parsed whole: only peeked up to this size
+
+
+@dataclass(frozen=True)
+class Peek:
+    """What a cheap look at one input shows: its columns (tabular formats), its first record
+    (text formats; None when it holds none), and its record count where that is free."""
+
+    columns: tuple[str, ...] | None = None
+    first: Record | None = None
+    records: int | None = None
+
+
+def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek:
+    """Columns / first record of `f`, reading a footer or the first lines (InputError if unreadable)."""
+    with _unreadable(f):
+        if f.format in TEXT_FORMATS:
+            with _open(f, storage_options, PEEK_BLOCK) as fh:
+                for line_no, line in enumerate(fh, start=1):
+                    if line.strip():
+                        return Peek(
+                            first=(f"{f.display}:line {line_no}", _decode_line(line, f.format))
+                        )
+            return Peek(records=0)
+        if f.format == "json":
+            if f.size > PEEK_JSON_MAX:
+                return Peek()
+            recs = _json_records(f, storage_options)
+            return Peek(
+                first=(f"{f.display}:record 1", recs[0]) if recs else None, records=len(recs)
+            )
+        if f.format in ("parquet", "arrow", "arrow_stream"):
+            with _open(f, storage_options, PEEK_BLOCK) as fh:
+                if f.format == "parquet":
+                    pf = pq.ParquetFile(fh)
+                    return Peek(tuple(pf.schema_arrow.names), records=pf.metadata.num_rows)
+                if f.format == "arrow":
+                    reader = pa.ipc.open_file(fh)
+                    empty = reader.num_record_batches == 0
+                    return Peek(tuple(reader.schema.names), records=0 if empty else None)
+                return Peek(tuple(pa.ipc.open_stream(fh).schema.names))
+    return Peek()
 
 
 # ---- reading ---------------------------------------------------------------------------
-
-Record = tuple[str, Any]  # (location, decoded record or BadRecord)
 
 
 def read_records(
@@ -156,7 +212,7 @@ def read_records(
     """Records [start, stop) of a counted file, with their locations; undecodable records come
     as BadRecord (invalid_utf8, malformed_json). `fields` projects columnar formats."""
     if not 0 <= start <= stop <= f.records:
-        raise ValueError(f"{f.url}: records [{start}, {stop}) outside [0, {f.records})")
+        raise ValueError(f"{f.display}: records [{start}, {stop}) outside [0, {f.records})")
     if start == stop:
         return
     try:
@@ -165,15 +221,15 @@ def read_records(
         elif f.format == "demo":
             recs = demo_records_cached(f.url)
             for i in range(start, stop):
-                yield f"{f.url}:row {i + 1}", recs[i]
+                yield f"{f.display}:row {i + 1}", recs[i]
         elif f.format == "json":
             recs = _json_records(f, storage_options)
             for i in range(start, stop):
-                yield f"{f.url}:record {i + 1}", recs[i]
+                yield f"{f.display}:record {i + 1}", recs[i]
         else:
             yield from _read_table(f, start, stop, storage_options, fields)
     except (OSError, EOFError, pa.ArrowInvalid) as e:
-        raise InputError(f"{f.url}: read failed ({type(e).__name__}: {e})") from None
+        raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
 
 
 def _read_lines(
@@ -192,11 +248,11 @@ def _read_lines(
             if record >= stop:
                 return
             if record >= start:
-                yield f"{f.url}:line {line_no}", _decode_line(line, f.format)
+                yield f"{f.display}:line {line_no}", _decode_line(line, f.format)
             record += 1
     if record < stop:
         raise InputError(
-            f"{f.url}: holds {record} records now, {f.records} when counted (the file changed)"
+            f"{f.display}: holds {record} records now, {f.records} when counted (the file changed)"
         )
 
 
@@ -227,7 +283,7 @@ def _read_table(
     ):
         for first, table in _tables(f, fh, start, stop, fields):
             for i, rec in enumerate(table.to_pylist()):
-                yield f"{f.url}:row {first + i + 1}", rec
+                yield f"{f.display}:row {first + i + 1}", rec
 
 
 def _tables(
@@ -238,12 +294,13 @@ def _tables(
     def project(t: pa.Table | pa.RecordBatch) -> pa.Table:
         t = t if isinstance(t, pa.Table) else pa.Table.from_batches([t])
         keep = [c for c in t.column_names if fields is None or c in fields]
-        return t.select(keep)
+        return t.select(keep) if keep else t  # none of ours: keep all, so errors can name them
 
     if f.format == "parquet":
         pf = pq.ParquetFile(fh)
         names = pf.schema_arrow.names
-        cols = None if fields is None else [c for c in names if c in fields]
+        # without any field packshard reads, keep every column: the bad record then names them
+        cols = None if fields is None else [c for c in names if c in fields] or None
         pos = 0
         for g in range(pf.num_row_groups):
             n = pf.metadata.row_group(g).num_rows

@@ -26,7 +26,7 @@ manifest under ``--skip-bad-records``) and whose `detail` says what was wrong an
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -133,6 +133,54 @@ def source_fields(columns: Mapping[str, str]) -> list[str]:
     return sorted({columns.get(f, f) for f in CANONICAL_FIELDS})
 
 
+KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "input_ids": ("input_ids",),
+    "text": ("text",),
+}
+
+
+def detect_kind(has: Callable[[str], bool]) -> Kind | None:
+    """The first kind (messages, prompt + completion, input_ids, text) whose fields `has`."""
+    for kind, needed in KIND_FIELDS.items():
+        if all(has(f) for f in needed):
+            return kind  # type: ignore[return-value]
+    return None
+
+
+def _wanted(columns: Mapping[str, str]) -> str:
+    return ", ".join(
+        columns.get(f, f) for f in ("messages", "prompt", "completion", "input_ids", "text")
+    )
+
+
+def column_problem(
+    names: Collection[str], *, kind: str = "auto", columns: Mapping[str, str] | None = None
+) -> str | None:
+    """Why records with these columns (a parquet / Arrow schema) cannot be samples of `kind`,
+    or None when they can (values are checked per record later)."""
+    columns = columns or {}
+    present = set(names)
+
+    def has(field: str) -> bool:
+        return columns.get(field, field) in present
+
+    if kind == "auto" and detect_kind(has) is not None:
+        return None
+    if kind != "auto" and all(has(f) for f in KIND_FIELDS[kind]):
+        return None
+    wanted = (
+        f"one of [{_wanted(columns)}]"
+        if kind == "auto"
+        else f"{[columns.get(f, f) for f in KIND_FIELDS[kind]]} for --kind {kind}"
+    )
+    return (
+        f"its columns are {sorted(present)[:20]}, and packshard reads {wanted}; map yours with "
+        "--columns (e.g. --columns prompt=question,completion=answer)"
+    )
+
+
 def to_sample(
     record: Any,
     *,
@@ -154,23 +202,14 @@ def to_sample(
         return get(field) is not None
 
     if kind == "auto":
-        if has("messages"):
-            kind = "messages"
-        elif has("prompt") and has("completion"):
-            kind = "prompt_completion"
-        elif has("input_ids"):
-            kind = "input_ids"
-        elif has("text"):
-            kind = "text"
-        else:
-            wanted = ", ".join(
-                columns.get(f, f) for f in ("messages", "prompt", "completion", "input_ids", "text")
-            )
+        detected = detect_kind(has)
+        if detected is None:
             raise BadRecord(
                 "missing_fields",
-                f"no sample fields: expected one of [{wanted}], the record has {sorted(record)[:12]}; "
-                "map yours with --columns (e.g. --columns prompt=question,completion=answer)",
+                f"no sample fields: expected one of [{_wanted(columns)}], the record has "
+                f"{sorted(record)[:12]}; map yours with --columns (e.g. --columns prompt=question,completion=answer)",
             )
+        kind = detected
     if kind == "messages":
         return Chat(
             _messages(get("messages"), columns.get("messages", "messages")), _tools(get("tools"))

@@ -295,54 +295,8 @@ def test_all_records_bad_is_an_error_even_when_skipping(ray_local, tmp_path: Pat
     assert "nothing to pack" in capsys.readouterr().err
 
 
-def _write(path: Path, data: bytes | None) -> Path:
-    if data is not None:
-        path.write_bytes(data)
-    return path
-
-
-@pytest.mark.parametrize(
-    ("name", "data", "match"),
-    [
-        ("missing.jsonl", None, "does not exist"),
-        ("empty.jsonl", b"", "hold no records"),
-        ("bad.parquet", b"nope", "unreadable parquet"),
-        ("x.jsonl.gz", b"not gzip", "unreadable jsonl"),
-    ],
-)
-def test_unusable_inputs_fail_with_their_name(ray_local, tmp_path: Path, capsys, name, data, match):
-    path = _write(tmp_path / name, data)
-    assert run(*_args(path, tmp_path / "out")) == 1
-    err = capsys.readouterr().err
-    assert match in err and str(path) in err
-
-
-def test_unknown_tokenizer_and_unwritable_output_fail_before_any_work(tmp_path: Path, capsys):
-    p = _bad_file(tmp_path, "empty_conversation")
-    assert (
-        main(
-            [
-                "--input",
-                str(p),
-                "--output",
-                str(tmp_path / "o"),
-                "--tokenizer",
-                str(tmp_path / "no-such-tokenizer"),
-                "--seq-len",
-                "64",
-                "--cp",
-                "8",
-            ]
-        )
-        == 1
-    )
-    assert "cannot load tokenizer" in capsys.readouterr().err
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    assert run(*_args(p, blocker / "out")) == 1
-    assert "is not writable" in capsys.readouterr().err
-    assert main(_args(p, tmp_path / "o", "--seq-len", "1001")) == 2  # not a multiple of cp
-    assert "is not a multiple of --pad-multiple 8" in capsys.readouterr().err
+# Unusable inputs, tokenizers, outputs and flag values fail before Ray starts, so their tests
+# run without Ray: tests/pipeline/test_preflight.py.
 
 
 def test_formats_mix_in_one_job(ray_local, tmp_path: Path):

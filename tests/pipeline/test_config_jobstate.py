@@ -11,6 +11,7 @@ import pytest
 from packshard.pipeline.config import config_from_args
 from packshard.pipeline.jobstate import (
     OutputError,
+    check_output,
     check_writable,
     clear_output,
     config_diff,
@@ -115,9 +116,11 @@ def test_different_config_is_refused_unless_overwrite(tmp_path: Path):
     fs, root = _fs(tmp_path)
     check_writable(fs, root, root)
     write_plan(fs, root, {"config": CONFIG, "inputs": []})
+    Path(marker_path(root, 0)).write_text(json.dumps({"plan": {"number": 0}}))
     other = {**CONFIG, "seq_len": 8192}
-    with pytest.raises(OutputError, match=r"seq_len: 4096 \(existing\) vs 8192 \(this run\)"):
+    with pytest.raises(OutputError, match=r"seq_len: 4096 \(existing\) vs 8192 \(this run\)") as e:
         inspect_output(fs, root, root, other, overwrite=False)
+    assert "1 verified shard(s)" in str(e.value) and "pass --overwrite" in str(e.value)
     changed = {**CONFIG, "inputs": [{**CONFIG["inputs"][0], "version": "m=2"}]}
     with pytest.raises(OutputError, match="inputs"):
         inspect_output(fs, root, root, changed, overwrite=False)
@@ -126,6 +129,41 @@ def test_different_config_is_refused_unless_overwrite(tmp_path: Path):
     assert sorted(p.name for p in Path(root).iterdir()) == [
         "keep.txt"
     ]  # only our files were removed
+
+
+def test_an_unfinished_job_that_wrote_no_shard_is_replaced(tmp_path: Path, caplog):
+    """A job that failed before its first shard (a bad record, say) is replaced by the rerun
+    with the fix its error suggested, without --overwrite: nothing verified is lost."""
+    fs, root = _fs(tmp_path)
+    write_plan(fs, root, {"config": CONFIG, "inputs": []})
+    fixed = {**CONFIG, "samples": {"skip_bad_records": True}}
+    assert inspect_output(fs, root, root, fixed, overwrite=False).status == "fresh"
+    assert not (Path(root) / "_packshard").exists()
+    assert "replacing the unfinished pack job" in caplog.text and "wrote no shards" in caplog.text
+
+
+def test_a_directory_of_other_files_is_refused(tmp_path: Path):
+    """Whatever the flags (check_output takes none: --overwrite never deletes others' files)."""
+    fs, root = _fs(tmp_path)
+    Path(root).mkdir(parents=True)
+    (Path(root) / "notes.txt").write_text("mine")
+    with pytest.raises(
+        OutputError, match=r"is not empty and holds no packshard dataset \(notes.txt\)"
+    ):
+        check_output(fs, root, root)
+    assert sorted(p.name for p in Path(root).iterdir()) == ["notes.txt"]  # no probe left behind
+    (Path(root) / "notes.txt").unlink()
+    check_output(fs, root, root)  # empty: fine
+    write_plan(fs, root, {"config": CONFIG, "inputs": []})
+    (Path(root) / "lengths.png").write_bytes(b"x")  # the user's file beside our own dataset
+    check_output(fs, root, root)
+
+
+def test_output_that_is_a_file_is_refused(tmp_path: Path):
+    (tmp_path / "out.jsonl").write_text("{}")
+    fs, _ = _fs(tmp_path)
+    with pytest.raises(OutputError, match="is a file"):
+        check_output(fs, str(tmp_path / "out.jsonl"), "out.jsonl")
 
 
 def test_foreign_shards_are_refused(tmp_path: Path):

@@ -318,7 +318,9 @@ def test_tokenizer_loading_fingerprint_and_pad():
     )
     assert tokenizer_fingerprint(tok).startswith("sha256:")
     assert pad_token_id_of(tok) == tok.pad_token_id
-    with pytest.raises(TokenizerError, match="cannot load tokenizer '/nonexistent/tok'"):
+    with pytest.raises(
+        TokenizerError, match="tokenizer directory '/nonexistent/tok' does not exist"
+    ):
         load_tokenizer("/nonexistent/tok")
 
 

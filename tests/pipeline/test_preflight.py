@@ -1,0 +1,184 @@
+"""Every user error of the pack job fails before Ray starts: one line naming the input, column,
+tokenizer or output and the fix, with neither Ray nor transformers imported (each case runs the
+job's `main` in a fresh process and lists what it imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from packshard.pipeline.config import config_from_args
+from packshard.pipeline.inputs import InputError
+from packshard.pipeline.preflight import preflight
+
+HEAVY = ("ray", "transformers", "torch")
+PROBE = (
+    "import sys\n"
+    "from packshard.pipeline.pack import main\n"
+    "rc = main(sys.argv[1:])\n"
+    f"print('IMPORTED', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    "sys.exit(rc)\n"
+)
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def pack(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """(exit status, stderr) of the pack job run in a fresh process; asserts it imported neither
+    Ray nor transformers (so neither started) and printed its error as one line."""
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+    assert r.stdout.strip().endswith("IMPORTED []"), (r.stdout, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, r.stderr
+    return r.returncode, errors[0]
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    p = tmp_path / "good.jsonl"
+    p.write_text(json.dumps(CHAT) + "\n")
+    return p
+
+
+def args(
+    inp: Path | str, out: Path | str, *extra: str, tokenizer: str = "packshard:demo"
+) -> list[str]:
+    return [
+        "--input", str(inp), "--output", str(out), "--tokenizer", tokenizer,
+        "--seq-len", "64", "--cp", "2", *extra,
+    ]  # fmt: skip
+
+
+def test_mistyped_tokenizer_directory(tmp_path: Path, good: Path):
+    (tmp_path / "tokenizers" / "qwen2.5-instruct").mkdir(parents=True)
+    (tmp_path / "tokenizers" / "qwen2.5-instruct" / "tokenizer.json").write_text("{}")
+    typo = str(tmp_path / "tokenizers" / "qwen25-instruct")
+    rc, err = pack(*args(good, tmp_path / "out", tokenizer=typo))
+    assert rc == 1 and f"tokenizer directory '{typo}' does not exist; did you mean" in err
+    assert "qwen2.5-instruct" in err and "Repo id" not in err
+
+
+def test_hub_name_offline_and_not_cached(tmp_path: Path, good: Path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    rc, err = pack(*args(good, tmp_path / "out", tokenizer="Qwen/Qwen3-8B"), env=env)
+    assert rc == 1 and "not in the Hugging Face cache and HF_HUB_OFFLINE is set" in err
+
+
+def test_hub_that_cannot_be_reached(tmp_path: Path, good: Path):
+    env = {
+        "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "0",
+    }
+    rc, err = pack(*args(good, tmp_path / "out", tokenizer="Qwen/Qwen3-8B"), env=env)
+    assert rc == 1 and "the Hugging Face hub cannot be reached" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "match"),
+    [
+        ("missing.jsonl", None, "does not exist"),
+        ("empty.jsonl", b"", "is empty (0 bytes)"),
+        ("blank.jsonl", b"\n\n  \n", "holds no records"),
+        ("bad.parquet", b"nope", "unreadable parquet input"),
+        ("x.jsonl.gz", b"not gzip", "unreadable jsonl input"),
+        ("notes.md", b"# hi", "unsupported file type"),
+    ],
+)
+def test_unusable_inputs(tmp_path: Path, name: str, data: bytes | None, match: str):
+    path = tmp_path / name
+    if data is not None:
+        path.write_bytes(data)
+    rc, err = pack(*args(path, tmp_path / "out"))
+    assert rc == 1 and match in err and str(path) in err
+
+
+def test_parquet_without_sample_columns_names_the_columns_it_has(tmp_path: Path):
+    path = tmp_path / "qa.parquet"
+    pq.write_table(pa.table({"question": ["a"], "answer": ["b"]}), path)
+    for extra in ((), ("--skip-bad-records",)):  # skipping would drop every record: refused too
+        rc, err = pack(*args(path, tmp_path / "out", *extra))
+        assert rc == 1 and "its columns are ['answer', 'question']" in err and "--columns" in err
+    rc, err = pack(*args(path, tmp_path / "out", "--columns", "prompt=question,completion=ans"))
+    assert rc == 1 and "packshard reads one of [messages, question, ans, input_ids, text]" in err
+
+
+def test_json_lines_without_sample_fields(tmp_path: Path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n")
+    rc, err = pack(*args(path, tmp_path / "out"))
+    assert rc == 1 and f"{path}:line 1: missing_fields" in err
+    assert "the record has ['answer', 'question']" in err and "--columns" in err
+
+
+def test_first_record_without_fields_passes_the_check_when_skipping(tmp_path: Path, good: Path):
+    """With --skip-bad-records a JSON-lines record is one record to skip, not a column error."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"question": "a"}) + "\n" + json.dumps(CHAT) + "\n")
+    out = tmp_path / "out"
+    cfg = config_from_args(args(path, out, "--skip-bad-records"))
+    assert [f.display for f in preflight(cfg).files] == [str(path)]
+    with pytest.raises(InputError, match="missing_fields"):
+        preflight(config_from_args(args(path, out)))
+
+
+def test_output_that_holds_other_files(tmp_path: Path, good: Path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for extra in ((), ("--overwrite",)):
+        rc, err = pack(*args(good, out, *extra))
+        assert rc == 1 and "is not empty and holds no packshard dataset (notes.txt)" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_output_that_cannot_be_written(tmp_path: Path, good: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc, err = pack(*args(good, blocker / "out"))
+    assert rc == 1 and f"output {blocker / 'out'} is not writable (" in err
+
+
+@pytest.mark.s3
+def test_output_on_an_unreachable_s3_endpoint_is_one_line(tmp_path: Path, good: Path):
+    endpoint = f"endpoint_url=http://127.0.0.1:{_closed_port()}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    rc, err = pack(*args(good, "s3://bucket/out", "--storage-option", endpoint), env=env)
+    assert rc == 1 and "output s3://bucket/out is not writable (EndpointConnectionError" in err
+
+
+def test_credentials_in_an_input_url_are_never_printed(tmp_path: Path):
+    url = f"http://user:SECRET@127.0.0.1:{_closed_port()}/data/x.jsonl?sig=SECRET&X-Amz-Credential=SECRET"
+    rc, err = pack(*args(url, tmp_path / "out"))
+    assert rc == 1 and "SECRET" not in err
+    assert "/data/x.jsonl" in err
+
+
+def test_bad_flag_values_exit_2(tmp_path: Path, good: Path):
+    rc, err = pack(*args(good, tmp_path / "out", "--seq-len", "1001"))
+    assert rc == 2 and "is not a multiple of --pad-multiple 2" in err
+    rc, err = pack(*args(good, tmp_path / "out", "--pad-multiple", "3", "--cp-layout", "zigzag"))
+    assert rc == 2 and "--pad-multiple 3 does not suit --cp 2 --cp-layout zigzag" in err
