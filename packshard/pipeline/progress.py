@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
-from packshard.pipeline.stats import skipped_lines
+from packshard.pipeline.samples import REASONS
+from packshard.pipeline.stats import SHOWN_EXAMPLES, skipped_lines
 
 log = logging.getLogger("packshard.pipeline.pack")
 
@@ -51,6 +53,8 @@ class JobProgress:
         self.shards_written = 0
         self.shards_planned = kept_shards
         self.kept_shards = kept_shards
+        self.bad: dict[str, int] = {}
+        self.bad_examples: list[tuple[Any, ...]] = []
         self.start = time.perf_counter()
         self._next_log = self.start + LOG_FIRST_S
         self._bar = None
@@ -77,6 +81,27 @@ class JobProgress:
         self.tokens += tokens
         if self._bar is not None:
             self._bar.update(samples)
+
+    def skipped(self, status: Any, examples: Sequence[Sequence[Any]]) -> None:
+        """A tokenized block's bad records: per-record status codes (0: good, k: REASONS[k - 1])
+        and the block's first examples (sample id, location, reason, detail)."""
+        for code, n in zip(*np.unique(np.asarray(status), return_counts=True), strict=True):
+            if code:
+                reason = REASONS[int(code) - 1]
+                self.bad[reason] = self.bad.get(reason, 0) + int(n)
+        self.bad_examples = sorted([*self.bad_examples, *map(tuple, examples)])[:SHOWN_EXAMPLES]
+
+    def drop_reasons(self, overlong: str) -> str:
+        """Why samples were dropped so far: counts by reason and the first records, for the
+        error that says nothing is left to pack."""
+        counts = ", ".join(f"{r} {n:,}" for r, n in sorted(self.bad.items()))
+        parts = [counts or "no bad records"]
+        if overlong == "drop":
+            parts.append("the others are longer than --seq-len (--overlong drop)")
+        text = "; ".join(parts)
+        for e in self.bad_examples:
+            text += f"\n  {e[1]}: {e[2]}: {e[3]}"
+        return text
 
     def planned(self, shards: int) -> None:
         self.shards_planned = shards

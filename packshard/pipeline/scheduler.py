@@ -345,6 +345,7 @@ class Scheduler:
         self.data[b] = data_ref
         self.held_tokens[b] = meta.tokens
         self.progress.tokenized(blk.size, meta.tokens)
+        self.progress.skipped(meta.status, meta.examples)
 
     def _known_end(self, iv: Interval) -> int:
         if self.order is not None:
@@ -373,7 +374,8 @@ class Scheduler:
                 and not self.contrib[ids].any()
             ):
                 raise JobError(
-                    f"nothing to pack: all {self.num_samples:,} samples were dropped (see the reasons above)"
+                    f"nothing to pack: all {self.num_samples:,} samples were dropped: "
+                    + self.progress.drop_reasons(self.spec.overlong)
                 )
             plans = plan_shards(
                 self.contrib[ids],

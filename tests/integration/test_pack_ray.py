@@ -292,7 +292,10 @@ def test_all_records_bad_is_an_error_even_when_skipping(ray_local, tmp_path: Pat
     p = tmp_path / "all_bad.jsonl"
     p.write_bytes(BAD_LINES["empty_conversation"] + b"\n")
     assert run(*_args(p, tmp_path / "out", "--skip-bad-records")) == 1
-    assert "nothing to pack" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the reasons are in the message itself (it used to point at "the reasons above": none)
+    assert "nothing to pack: all 1 samples were dropped: empty_conversation 1" in err
+    assert f"{p}:line 1: empty_conversation: " in err
 
 
 # Unusable inputs, tokenizers, outputs and flag values fail before Ray starts, so their tests
