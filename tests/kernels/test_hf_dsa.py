@@ -1,0 +1,348 @@
+"""`packshard.kernels.hf.use_packshard_indexer` on tiny random-init transformers DSA models.
+
+Exact-input rule (the fp8 tolerance rule of `packshard.kernels.hf`): the indexer's projections
+are set so that q, k and the head weights are small integers, or within 1e-2 of them
+(`benchmarks.bench_hf_indexer.set_exact_parameters`: +-1 hidden states, right-angle rotations).
+Integers up to 16 are e4m3 values at any power-of-two scale, so our fp8 q and k are those
+integers, and the model's bf16/fp32 scores are the integer scores to ~1e-5: both selections are
+the top-k of the integer scores, which the tests compute independently, and can differ only
+among keys tied at a query's k-th score. The loss tests use inputs with no such tie (checked),
+so the two selections must be equal and the losses equal to fp32 rounding (1e-5 relative).
+On CPU the kernels run in the Triton interpreter with the tests' small top-k config (the same
+indices as the fixed config).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from benchmarks import bench_hf_indexer as bench  # noqa: E402
+from packshard.kernels import FIXED_CONFIG  # noqa: E402
+from packshard.kernels.hf import document_ranges, use_packshard_indexer  # noqa: E402
+from tests.kernels._cases import SMALL  # noqa: E402
+
+CONFIG = FIXED_CONFIG if torch.cuda.is_available() else SMALL
+TOPK = 4
+FAMILIES = ["glm_moe_dsa", "deepseek_v32"]
+DOCS = [13, 3, 20]  # one packed row: documents longer and shorter than TOPK
+
+
+def tiny_model(family: str, attn: str = "sdpa") -> nn.Module:
+    """fp32 random-init model: GLM with a full and a shared indexer layer, V3.2 with one layer."""
+    common = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_group=1, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+        index_topk=TOPK, index_head_dim=32, index_n_heads=8, max_position_embeddings=256,
+        attn_implementation=attn,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if family == "glm_moe_dsa":
+        config = transformers.GlmMoeDsaConfig(
+            num_hidden_layers=2, indexer_types=["full", "shared"], mlp_layer_types=["dense"] * 2,
+            **common,
+        )  # fmt: skip
+        return transformers.GlmMoeDsaForCausalLM(config).eval()
+    config = transformers.DeepseekV32Config(
+        num_hidden_layers=1, mlp_layer_types=["dense"], **common
+    )
+    return transformers.DeepseekV32ForCausalLM(config).eval()
+
+
+def first_indexer(model: nn.Module) -> nn.Module:
+    return model.model.layers[0].self_attn.indexer
+
+
+def packed_pos(docs: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+
+
+def starts(docs: list[int]) -> list[int]:
+    return [sum(docs[:i]) for i in range(len(docs))]
+
+
+def exact_model(family: str, attn: str = "sdpa", seed: int = 9) -> nn.Module:
+    """tiny_model whose first indexer sees near-integer q, k, weights from any token ids.
+
+    Embeddings of +-1 pass the first RMSNorm as +-1 (to 5e-6); q_a_proj picks hidden
+    coordinates, so q_resid is +-1 too; the rotary frequencies are quarter turns, so RoPE's
+    angles are multiples of 90 degrees (to 1e-6 at these positions)."""
+    model = tiny_model(family, attn)
+    g = torch.Generator().manual_seed(seed)
+    attn0 = model.model.layers[0].self_attn
+    bench.set_exact_parameters(attn0.indexer, g)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.randint(0, 2, emb.shape, generator=g).float() * 2 - 1)
+        # one hidden coordinate outside the key pairs is +1 for every token and gives every
+        # head a weight of 3-7: scores of 0 (all heads' relu at 0) would tie
+        free = int(torch.nonzero(attn0.indexer.wk.weight.abs().sum(0) == 0)[0])
+        emb[:, free] = 1.0
+        attn0.indexer.weights_proj.weight[:, free] = 5.0
+        qa = attn0.q_a_proj.weight
+        qa.copy_(torch.eye(qa.shape[0], qa.shape[1])[:, torch.randperm(qa.shape[1], generator=g)])
+        rot = model.model.rotary_emb
+        half = rot.inv_freq.shape[0]
+        rot.inv_freq.copy_((torch.arange(half) % 3 + 1) * (math.pi / 2))
+    return model
+
+
+def integer_topk_check(indexer, inputs, sel: torch.Tensor, pos: torch.Tensor):
+    """(wrong, tied) of selections [B, S, k] against the integer scores of the captured inputs."""
+    hidden, q_resid, pe = inputs
+    q, k, w = bench.integer_qkw(indexer, hidden, q_resid, pe)
+    wrong, tied = [], []
+    for b in range(pos.shape[0]):
+        ks_np, ke_np = document_ranges(pos[b : b + 1].numpy())
+        ks, ke = torch.from_numpy(ks_np[0]), torch.from_numpy(ke_np[0])
+        scores = bench.integer_scores(q[b], k[b], w[b])
+        wr, ti = bench.check_topk(scores, sel[b], ks, ke, indexer.index_topk)
+        wrong.append(wr)
+        tied.append(ti)
+    return torch.stack(wrong), torch.stack(tied)
+
+
+def capture(indexer: nn.Module) -> tuple[list, torch.utils.hooks.RemovableHandle]:
+    """Every call's (hidden_states, q_resid, position_embeddings) and output."""
+    seen: list = []
+
+    def hook(module, args, kwargs, out):
+        seen.append((args[:3], out))
+
+    return seen, indexer.register_forward_hook(hook, with_kwargs=True)
+
+
+# ----------------------------------------------------------------------------- ranges
+def test_document_ranges_from_restarting_position_ids() -> None:
+    ks, ke = document_ranges(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]).numpy())
+    assert ks.tolist() == [[0, 0, 0, 3, 3, 5], [0] * 6]
+    assert ke.tolist() == [[1, 2, 3, 4, 5, 6]] * 2
+    ks, ke = document_ranges(torch.tensor([[7]]).numpy(), past=7)  # a decode step
+    assert (ks.tolist(), ke.tolist()) == ([[0]], [[8]])
+    with pytest.raises(ValueError, match=r"position_ids\[0, 3\] = 5 after 2"):
+        document_ranges(torch.tensor([[0, 1, 2, 5, 6]]).numpy())
+    with pytest.raises(ValueError, match=r"position_ids\[0, 0\] = 3 at key 2"):
+        document_ranges(torch.tensor([[3, 4]]).numpy(), past=2)
+
+
+# ----------------------------------------------------------------------------- the hook
+def test_routes_restores_and_is_idempotent() -> None:
+    model = tiny_model("glm_moe_dsa")
+    indexer = first_indexer(model)
+    assert model.model.layers[1].self_attn.indexer is None  # GLM's shared layer
+    handle = use_packshard_indexer(model, config=CONFIG)
+    assert list(handle.modules) == ["model.layers.0.self_attn.indexer"]
+    assert "forward" in indexer.__dict__ and handle.active
+    assert use_packshard_indexer(model, config=CONFIG) is handle
+    with pytest.raises(ValueError, match="already routed"):
+        use_packshard_indexer(model, config=CONFIG, unused_slots="minus_one")
+    with pytest.raises(ValueError, match="another handle"):
+        use_packshard_indexer(model.model, config=CONFIG)
+    ids = torch.randint(0, 64, (1, 9))
+    model(ids)
+    assert handle.calls == 1
+    handle.restore()
+    handle.restore()
+    assert "forward" not in indexer.__dict__ and not handle.active
+    model(ids)
+    assert handle.calls == 1
+    with use_packshard_indexer(model, config=CONFIG) as again:
+        assert again is not handle and again.active
+    assert not again.active
+
+
+def test_refuses_models_without_a_routable_indexer() -> None:
+    with pytest.raises(ValueError, match="Sequential has no DSA lightning indexer"):
+        use_packshard_indexer(nn.Sequential(nn.Linear(2, 2)))
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
+
+    config = transformers.DeepseekV4Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        q_lora_rank=16, index_head_dim=32, index_n_heads=4, head_dim=32,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="DeepseekV4Indexer: deepseek_v4's indexer scores"):
+        use_packshard_indexer(nn.ModuleDict({"indexer": DeepseekV4Indexer(config)}))
+    with pytest.raises(ValueError, match="unused_slots"):
+        use_packshard_indexer(tiny_model("glm_moe_dsa"), unused_slots="zero")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- selection
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_selection_equals_own_per_document(family: str) -> None:
+    """Two packed rows in one batch (one call) against the model's own indexer on each
+    document alone: both correct top-k of the integer scores, equal where not tied."""
+    indexer = first_indexer(tiny_model(family))
+    g = torch.Generator().manual_seed(1)
+    bench.set_exact_parameters(indexer, g)
+    rows = [DOCS, [7, 29]]
+    pos = torch.cat([packed_pos(d) for d in rows])
+    hidden, q_resid, pe = bench.exact_inputs(indexer, pos, g, torch.float32)
+    mask = bench.block_causal_mask(pos)
+    with use_packshard_indexer(indexer, config=CONFIG):
+        ours = indexer(hidden, q_resid, pe, mask, pos)
+        causal = torch.ones_like(mask).tril()  # the ranges come from the position ids alone
+        assert torch.equal(indexer(hidden, q_resid, pe, causal, pos), ours)
+    own = type(indexer).forward
+    theirs = torch.zeros_like(ours)
+    for b, docs in enumerate(rows):
+        for st, n in zip(starts(docs), docs, strict=True):
+            sl = slice(st, st + n)
+            one = own(
+                indexer, hidden[b : b + 1, sl], q_resid[b : b + 1, sl],
+                (pe[0][b : b + 1, sl], pe[1][b : b + 1, sl]),
+                torch.ones(1, n, n, dtype=torch.bool).tril(), pos[b : b + 1, sl],
+            )[0]  # fmt: skip
+            theirs[b, sl, : one.shape[1]] = one + st
+            theirs[b, sl, one.shape[1] :] = one[:, :1] + st
+    wrong_ours, tied = integer_topk_check(indexer, (hidden, q_resid, pe), ours, pos)
+    wrong_own, _ = integer_topk_check(indexer, (hidden, q_resid, pe), theirs, pos)
+    assert not wrong_ours.any() and not wrong_own.any()
+    same = torch.stack(
+        [
+            (
+                bench.selection_masks(ours[b], *rng, 36)
+                == bench.selection_masks(theirs[b], *rng, 36)
+            ).all(1)
+            for b, rng in enumerate(_ranges(pos))
+        ]
+    )
+    assert (same | tied).all()
+    ks, ke = _ranges(pos)[0]
+    assert int(((ke - ks) > TOPK).sum()) >= 20 and int(tied.sum()) < 10  # a real selection
+    # unused slots: the query's own key (t + 1 < TOPK keys at a document's start)
+    assert ours[0, 0].tolist() == [0] * TOPK
+    assert ours[0, 14].tolist()[:2] == [13, 14] and ours[0, 14, 2:].tolist() == [14] * 2
+
+
+def _ranges(pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for b in range(pos.shape[0]):
+        ks, ke = document_ranges(pos[b : b + 1].numpy())
+        out.append((torch.from_numpy(ks[0]), torch.from_numpy(ke[0])))
+    return out
+
+
+def test_unused_slots_minus_one_and_batch_offsets() -> None:
+    indexer = first_indexer(tiny_model("deepseek_v32"))
+    g = torch.Generator().manual_seed(3)
+    pos = torch.cat([packed_pos([2, 6]), packed_pos([8])])
+    hidden, q_resid, pe = bench.exact_inputs(indexer, pos, g, torch.float32)
+    with use_packshard_indexer(indexer, config=CONFIG, unused_slots="minus_one"):
+        out = indexer(hidden, q_resid, pe, bench.block_causal_mask(pos), pos)
+    assert out.dtype == torch.int32 and out.shape == (2, 8, TOPK)
+    assert out[0, 1].tolist()[2:] == [-1, -1] and sorted(out[0, 1].tolist()[:2]) == [0, 1]
+    assert sorted(out[0, 2].tolist()[:1]) == [2] and out[0, 2, 1:].tolist() == [-1] * 3
+    assert sorted(out[1, 2].tolist()[:3]) == [0, 1, 2]  # row 1 in its own key coordinates
+    assert ((out[1] >= -1) & (out[1] < 8)).all()
+
+
+# ----------------------------------------------------------------------------- the loss
+@pytest.mark.parametrize(
+    ("family", "attn"),
+    [("glm_moe_dsa", "sdpa"), ("glm_moe_dsa", "eager"), ("deepseek_v32", "sdpa")],
+)  # eager: a float additive mask (SDPA's is bool)
+def test_packed_loss_matches_documents_with_own_indexer(family: str, attn: str) -> None:
+    model = exact_model(family, attn)
+    indexer = first_indexer(model)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randperm(64, generator=g)[: sum(DOCS)].unsqueeze(0)  # distinct tokens
+    pos = packed_pos(DOCS)
+    seen, hook = capture(indexer)
+    doc_logits, loss_sum, count = [], 0.0, 0
+    for st, n in zip(starts(DOCS), DOCS, strict=True):
+        out = model(ids[:, st : st + n], labels=ids[:, st : st + n], use_cache=False)
+        doc_logits.append(out.logits)
+        loss_sum, count = loss_sum + out.loss.item() * (n - 1), count + n - 1
+    own_sel = [s[1] for s in seen]
+    labels = ids.clone()
+    labels[0, starts(DOCS)] = -100  # no document predicts the next one's first token
+    leaky = model(ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
+    seen.clear()
+    with use_packshard_indexer(model, config=CONFIG):
+        runs = {
+            "block mask": model(ids, position_ids=pos, labels=labels, use_cache=False),
+            "cache, causal mask": model(ids, position_ids=pos, labels=labels),
+            "2D mask": model(ids, position_ids=pos, attention_mask=torch.ones_like(ids)),
+        }
+    hook.remove()
+    # the precondition: near-integer inputs, no query tied at its k-th score
+    wrong, tied = integer_topk_check(indexer, seen[0][0], seen[0][1], pos)
+    assert not wrong.any() and not tied.any(), (
+        "exact_model(seed) must give no tie at a k-th score: pick another seed"
+    )
+    for st, n, sel in zip(starts(DOCS), DOCS, own_sel, strict=True):
+        ks, ke = torch.zeros(n, dtype=torch.int64), torch.arange(1, n + 1)
+        mine = bench.selection_masks(seen[0][1][0, st : st + n] - st, ks, ke, n)
+        assert torch.equal(mine, bench.selection_masks(sel[0], ks, ke, n))
+    expected = torch.cat(doc_logits, dim=1)
+    for name, out in runs.items():
+        torch.testing.assert_close(out.logits, expected, rtol=1e-5, atol=1e-5, msg=name)
+    for name in ("block mask", "cache, causal mask"):
+        assert math.isclose(runs[name].loss.item(), loss_sum / count, rel_tol=1e-5), name
+    # the control: the model's own indexer on the packed row lets documents see each other
+    assert (leaky.logits - expected).abs().max() > 1e-3  # 100x the tolerance
+
+
+def test_right_padded_batch_and_decode_with_cache() -> None:
+    model = exact_model("glm_moe_dsa")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randperm(64, generator=g)[:24].view(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding
+    own = model(ids, attention_mask=mask, use_cache=False).logits
+    with use_packshard_indexer(model, config=CONFIG):
+        ours = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(ours[0], own[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[1, :9], own[1, :9], rtol=1e-5, atol=1e-5)
+
+    def generate_two(routed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = use_packshard_indexer(model, config=CONFIG) if routed else None
+        try:
+            first = model(ids[:1, :11], use_cache=True)
+            step = model(ids[:1, 11:], cache=first.cache, position_ids=torch.tensor([[11]]))
+            return step.logits, first.cache.layers[0].indexer_keys
+        finally:
+            if ctx is not None:
+                ctx.restore()
+
+    (own_step, own_keys), (our_step, our_keys) = generate_two(False), generate_two(True)
+    torch.testing.assert_close(our_keys, own_keys)
+    torch.testing.assert_close(our_step, own_step, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padding_and_bad_position_ids_raise() -> None:
+    model = tiny_model("deepseek_v32")
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with use_packshard_indexer(model, config=CONFIG):
+        with pytest.raises(ValueError, match="left padding"):
+            model(ids, attention_mask=mask, use_cache=False)
+        with pytest.raises(ValueError, match=r"position_ids\[0, 4\] = 7 after 3"):
+            model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 3, 7, 8, 9, 10]]))
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_benchmark_tiny_run_and_record(tmp_path, monkeypatch) -> None:
+    data = bench.main(
+        ["--tiny", "--sizes", "96", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)]
+    )
+    r = data["results"][0]
+    assert r["tokens"] == 96 and r["docs"] == 6 and r["ours_ms"] > 0
+    e = r["exact"]
+    assert e["ours_wrong"] == e["own_wrong"] == e["differ_untied"] == 0
+    assert e["identical"] + e["tied"] >= e["queries"] == 96
+    assert 0.9 < r["random"]["vs_own"]["overlap"] <= 1.0
+    from benchmarks import _results
+
+    monkeypatch.setattr(_results, "RESULTS_MD", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(_results, "HISTORY_DIR", tmp_path / "history")
+    body = bench.append_results(tmp_path / "bench_hf_indexer.json")
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "<!-- benchmark: bench_hf_indexer -->" in text and body.splitlines()[0] in text
