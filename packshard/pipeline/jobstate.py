@@ -37,7 +37,7 @@ import fsspec
 
 from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, shard_name
 from packshard.packers.writer import write_json_atomic
-from packshard.pipeline.inputs import redact_text
+from packshard.pipeline.inputs import redact_text, redact_url
 from packshard.pipeline.storage import describe, storage_errors
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def inspect_output(
             # nothing is lost by starting over, and the fix its error suggested just works
             log.warning(
                 "replacing the unfinished pack job in %s: it wrote no shards, and its config differs:\n  %s",
-                url,
+                redact_url(url),
                 listed,
             )
             clear_output(fs, root)
@@ -265,7 +265,7 @@ def clear_output(fs: fsspec.AbstractFileSystem, root: str) -> None:
             if p.rsplit("/", 1)[-1].startswith("part-"):
                 fs.rm(p)
     remove_job_state(fs, root)
-    log.info("cleared the previous dataset / job state under %s", root)
+    log.info("cleared the previous dataset / job state under %s", redact_url(root))
 
 
 def remove_job_state(fs: fsspec.AbstractFileSystem, root: str) -> None:

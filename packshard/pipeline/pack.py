@@ -414,17 +414,31 @@ class _RedactingFilter(logging.Filter):
         return True
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the sys.stderr of the moment (a test's capture, a redirected stream)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def _setup_logging() -> None:
-    """packshard's INFO lines on stderr, once; other libraries keep their own handlers (a
-    handler on the root logger would print their lines a second time)."""
+    """packshard's INFO lines on stderr, URLs redacted. Only when the program has configured
+    no logging of its own (the CLI): a handler on the root logger would print the lines of
+    libraries that have their own handler (huggingface_hub) a second time, and an embedding
+    program's configuration wins."""
     logger = logging.getLogger("packshard")
-    if not any(isinstance(f, _RedactingFilter) for h in logger.handlers for f in h.filters):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler.addFilter(_RedactingFilter())
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    if logging.getLogger().handlers or any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_RedactingFilter())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _scheduler_error(name: str) -> tuple[type[BaseException], ...]:

@@ -107,6 +107,11 @@ def test_real_data_every_sample_once_with_its_exact_tokens_and_worker_count_chan
     m = manifest(out2)
     assert len(m["shards"]) >= 4
     assert m["config"]["tokenizer"]["fingerprint"].startswith("sha256:")
+    # recorded by the directory's name, never the path as typed
+    assert {k: v for k, v in m["config"]["tokenizer"].items() if k != "fingerprint"} == {
+        "name": "qwen2.5-instruct",
+        "source": "directory",
+    }
     records = []
     for rel in REAL_INPUTS:
         with open(shared_data / rel) as f:
@@ -362,3 +367,85 @@ def test_s3_input_and_output_on_a_real_s3_server(ray_local, s3_server, s3_bucket
     eos = load_tokenizer("packshard:demo").eos_token_id
     assert sorted(docs) == list(range(80))
     assert docs[40] == ([*b"hello world", eos], [True] * 12)
+
+
+# ---- secrets in input URLs -------------------------------------------------------------------
+
+
+@pytest.fixture
+def http_dir(tmp_path: Path):
+    """(directory, host:port) of a local HTTP server over a directory (it ignores credentials and
+    query strings, as a signed-URL server that accepted them would)."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path / "www"
+    root.mkdir()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(root))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_credentials_and_signatures_are_never_written_or_printed(
+    ray_local, http_dir, tmp_path: Path, capsys, caplog
+):
+    """User info and query strings of input URLs appear in no message, log line, job state,
+    manifest (config.inputs, skipped_examples), index or shard; a signed URL (its "?") reads as
+    one file; a new signature for the same file resumes / finds the dataset complete."""
+    from packshard.pipeline.cli import main as cli_main
+
+    root, host = http_dir
+    (root / "bad.jsonl").write_bytes(_bad_file(tmp_path, "malformed_json").read_bytes())
+    (root / "good.jsonl").write_bytes((json.dumps(GOOD) + "\n").encode() * 4)
+
+    def inputs(sig: str) -> list[str]:
+        return [
+            "--input", f"http://user:SECRET@{host}/bad.jsonl?sig=SECRET",
+            "--input", f"http://{host}/good.jsonl?X-Amz-Signature={sig}&X-Amz-Expires=60",
+        ]  # fmt: skip
+
+    out = tmp_path / "out"
+    rest = _args("x", out)[2:]
+
+    def assert_clean() -> str:
+        seen = capsys.readouterr()
+        text = seen.out + seen.err + caplog.text
+        assert "SECRET" not in text
+        for p in out.rglob("*"):
+            if p.is_file():
+                assert b"SECRET" not in p.read_bytes(), p
+        return text
+
+    assert run(*inputs("SECRET"), *rest) == 1  # the bad record, no --skip-bad-records
+    text = assert_clean()
+    assert f"http://{host}/bad.jsonl:line 4: malformed_json" in text
+    assert (out / "_packshard" / "plan.json").exists()
+
+    assert run(*inputs("SECRET"), *rest, "--skip-bad-records") == 0  # replaces the shardless job
+    text = assert_clean()
+    assert f"http://{host}/bad.jsonl:line 4: malformed_json" in text  # the summary lists it
+    m = manifest(out)
+    assert [i["url"] for i in m["config"]["inputs"]] == [
+        f"http://{host}/bad.jsonl",
+        f"http://{host}/good.jsonl",
+    ]
+    assert m["totals"]["samples_in"] == 6 + 4 and m["totals"]["dropped"] == {"malformed_json": 1}
+    assert m["skipped_examples"][0][1] == f"http://{host}/bad.jsonl:line 4"
+    assert cli_main(["stats", str(out)]) == 0
+    assert f"http://{host}/bad.jsonl:line 4: malformed_json" in assert_clean()
+
+    assert run(*inputs("SECRET-RENEWED"), *rest, "--skip-bad-records") == 0
+    assert "nothing to do" in assert_clean()
