@@ -17,7 +17,8 @@ per-document ranges; packing would first need a per-document compressor.
 untouched; `restore()` deletes the attribute; `use_packshard_indexer` on a routed model returns
 the same handle). The replacement computes q [B, S, H, D], k [B, T, D] and the head weights with
 the module's own layers and RoPE function (and appends k to the model's indexer cache as the
-original does), then one `fp8_indexer_topk` call for the whole batch (batch rows laid end to end,
+original does; a static cache's buffer is cut to the tokens cached so far), then one
+`fp8_indexer_topk` call for the whole batch (batch rows laid end to end,
 key b*T + s for row b). It returns what the model's attention consumes: int32 [B, S, topk] with
 topk = min(config.index_topk, T), indices in the row's key coordinates. The model's own indexer
 fills the slots of a query with fewer than topk candidates with masked (future) keys, which the
@@ -295,6 +296,7 @@ class PackshardIndexer:
         k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
         if cache is not None:
             k = cache.update_indexer(k, module.layer_idx)
+            k = k[:, : _cached_tokens(cache, module.layer_idx, s, k.shape[1])]
         t = k.shape[1]
         scale = module.n_heads**-0.5 * module.softmax_scale  # relu(c x) = c relu(x), c > 0
         w = module.weights_proj(hidden_states.to(module.weights_proj.weight.dtype)).float() * scale
@@ -313,6 +315,20 @@ class PackshardIndexer:
         out = torch.where(idx == b * t, fill, idx - offset.unsqueeze(1))
         self.calls += 1
         return out.to(torch.int32).view(b, s, topk)
+
+
+def _cached_tokens(cache: Any, layer_idx: int, s: int, buffer: int) -> int:
+    """Keys held for this layer after this call: the model's attention has already cached the
+    call's s tokens (both versions update the cache before the indexer runs). A static cache
+    returns its whole buffer, unfilled past that count."""
+    seen = getattr(cache, "get_seq_length", None)
+    n = int(seen(layer_idx)) if seen is not None else buffer
+    if not s <= n <= buffer:
+        raise ValueError(
+            f"the cache holds {n} tokens for layer {layer_idx} after a call of {s} tokens, with "
+            f"{buffer} indexer keys: expected {s} <= tokens <= keys"
+        )
+    return n
 
 
 def find_indexers(model: nn.Module) -> dict[str, nn.Module]:

@@ -242,6 +242,24 @@ def test_unused_slots_minus_one_and_batch_offsets() -> None:
     assert ((out[1] >= -1) & (out[1] < 8)).all()
 
 
+def test_ranges_follow_each_calls_position_ids() -> None:
+    """Ranges are kept between calls (every layer of a forward gets the same position ids)
+    but never reused for other position ids: another tensor, or the same one changed."""
+    indexer = first_indexer(tiny_model("glm_moe_dsa"))
+    g = torch.Generator().manual_seed(6)
+    pos = packed_pos([5, 7])
+    hidden, q_resid, pe = bench.exact_inputs(indexer, pos, g, torch.float32)
+    with use_packshard_indexer(indexer, config=CONFIG, unused_slots="minus_one"):
+        two = indexer(hidden, q_resid, pe, None, pos)
+        assert torch.equal(indexer(hidden, q_resid, pe, None, pos), two)
+        pos[0, 5:] = torch.arange(5, 12)  # in place: one document now
+        changed = indexer(hidden, q_resid, pe, None, pos)
+        one = indexer(hidden, q_resid, pe, None, torch.arange(12).unsqueeze(0))
+    assert torch.equal(changed, one)
+    assert (two[0, 5:] < 5).logical_and(two[0, 5:] >= 0).sum() == 0  # the second document
+    assert ((one[0, 5:] >= 0) & (one[0, 5:] < 5)).any()
+
+
 # ----------------------------------------------------------------------------- the loss
 @pytest.mark.parametrize(
     ("family", "attn"),
@@ -301,19 +319,22 @@ def test_right_padded_batch_and_decode_with_cache() -> None:
     torch.testing.assert_close(ours[0], own[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[1, :9], own[1, :9], rtol=1e-5, atol=1e-5)
 
-    def generate_two(routed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate_two(routed: bool, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = use_packshard_indexer(model, config=CONFIG) if routed else None
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16) if static else None
         try:
-            first = model(ids[:1, :11], use_cache=True)
+            first = model(ids[:1, :11], cache=cache, use_cache=True)
             step = model(ids[:1, 11:], cache=first.cache, position_ids=torch.tensor([[11]]))
             return step.logits, first.cache.layers[0].indexer_keys
         finally:
             if ctx is not None:
                 ctx.restore()
 
-    (own_step, own_keys), (our_step, our_keys) = generate_two(False), generate_two(True)
-    torch.testing.assert_close(our_keys, own_keys)
-    torch.testing.assert_close(our_step, own_step, rtol=1e-5, atol=1e-5)
+    for static in (False, True):
+        own_step, own_keys = generate_two(False, static)
+        our_step, our_keys = generate_two(True, static)
+        torch.testing.assert_close(our_keys, own_keys)
+        torch.testing.assert_close(our_step, own_step, rtol=1e-5, atol=1e-5)
 
 
 def test_left_padding_and_bad_position_ids_raise() -> None:
