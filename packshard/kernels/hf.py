@@ -38,17 +38,22 @@ softmax_scale: the same function, computed on fp8 q and k.
 at key coordinate a = past + t (past: tokens already in the indexer cache), ks = a - p and
 ke = a + 1. Position ids must restart at 0 at every document and rise by 1 within it, as
 `packshard.trainer_shim` and Hugging Face's padding-free collators make them (the model's
-default, past + arange(S), is one document). A documents' isolation so holds even where the
-model's mask does not give it (with a cache, or a 2D attention mask, transformers builds a plain
-causal mask over the packed row): the attention sees only selected keys. Other position ids
+default, past + arange(S), is one document; the shim's padding at a row's end is one more).
+Documents are isolated even where the model's mask does not isolate them (with a cache, or a
+2D attention mask, transformers builds a plain causal mask over the packed row): the attention
+sees only selected keys. Other position ids
 raise ValueError naming the first bad token, and so does an attention mask hiding a document's
 first key from a query that sees itself (left padding: put position 0 on the first real token).
 Right padding needs nothing: padding comes after the real tokens, so no real query sees it.
-The ranges are computed once per forward (the position ids' host copy is one sync), not per
-layer: every layer gets the same position ids and mask objects.
+The ranges are computed once per forward, not per layer (every layer gets the same position
+ids and mask objects): the position ids' host copy and the mask check are two syncs a forward.
+The replacement is not traceable by torch.compile (host-side ranges, syncs): dynamo breaks the
+graph around it. Its selections are bitwise deterministic, so a layer recomputed under
+gradient checkpointing selects the same keys.
 
 **fp8 tolerance rule.** Ours selects the exact top-k of s8[t, s], the score above on q and k
-rounded per vector to e4m3 at a power-of-two scale (at most 2^-4 relative error an element);
+rounded per vector to e4m3 at a power-of-two scale c (an element's error is at most
+max(2^-4 |x|, 2^-10 c), c <= max(amax, 1e-4) / 224);
 the model's own the top-k of s[t, s], on bf16 q and k. For a query t the two sets are equal
 whenever the gap between its k-th and (k+1)-th largest s exceeds 2 * max_s |s8 - s| (no key can
 cross), up to the choice among keys tied at the k-th score (ours takes lower key indices first,
