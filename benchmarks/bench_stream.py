@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +39,23 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks._results import append_result, markdown_table  # noqa: E402
+from benchmarks._results import markdown_table, record_result  # noqa: E402
+from benchmarks._stream_sides import (  # noqa: E402
+    BENCH,
+    MDS_SIZES,
+    MotoServer,
+    describe,
+    ensure_mosaic_venv,
+    mosaic_read,
+    mosaic_sweep,
+    mosaic_write,
+    ours_read,
+)
 from packshard.packers import CostModel, DatasetWriter, apply_overlong, pack_table, plan_bins  # noqa: E402
 from packshard.packers.rows import list_parts  # noqa: E402
-from packshard.trainer_shim import PackedShardStream  # noqa: E402
 from packshard.trainer_shim.planning import StepPlanner, step_imbalance  # noqa: E402
 from packshard.trainer_shim.synthetic import synthetic_table  # noqa: E402
 
-BENCH = REPO / ".bench"
-MOSAIC_VENV = BENCH / "mosaic-venv"
-RUNNER = REPO / "benchmarks" / "_mosaic_runner.py"
 SHARED = REPO.parent / "shared" / "data"
 
 # ---- the length mix -------------------------------------------------------------------------
@@ -211,111 +215,157 @@ def build_datasets(
     ids_off, ids = list_parts(batch.column("input_ids"), np.int32)
     _, mask = list_parts(batch.column("loss_mask"), np.uint8)
     doc_off, docs = list_parts(batch.column("doc_lens"), np.int32)
+    _, sids = list_parts(batch.column("sample_ids"), np.int64)
     raw = work / "rows.npz"
     np.savez(
-        raw, input_ids=ids, loss_mask=mask, row_offsets=ids_off, doc_lens=docs, doc_offsets=doc_off
+        raw,
+        input_ids=ids,
+        loss_mask=mask,
+        row_offsets=ids_off,
+        doc_lens=docs,
+        doc_offsets=doc_off,
+        sample_ids=sids,
     )
     return ours, raw, manifest
 
 
-def ensure_mosaic_venv() -> Path:
-    py = MOSAIC_VENV / "bin" / "python"
-    if py.exists():
-        return py
-    uv = (
-        [str(REPO / ".venv" / "bin" / "uv")]
-        if (REPO / ".venv" / "bin" / "uv").exists()
-        else [sys.executable, "-m", "uv"]
-    )
-    links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
-    import torch
-
-    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-    print(
-        f"creating {MOSAIC_VENV} (mosaicml-streaming 0.13, {torch_pin}, transformers<5) ...",
-        flush=True,
-    )
-    subprocess.run([*uv, "venv", "-q", str(MOSAIC_VENV), "--python", sys.executable], check=True)
-    pip = [*uv, "pip", "install", "-q", "--python", str(py), *links]
-    subprocess.run(
-        [
-            *pip,
-            torch_pin,
-            "transformers<5",
-            "numpy<2.2",
-            "boto3",
-            "xxhash",
-            "zstd",
-            "Brotli",
-            "python-snappy",
-            "tqdm",
-            "catalogue",
-            "matplotlib<4",
-        ],
-        check=True,
-    )
-    subprocess.run([*pip, "--no-deps", "mosaicml-streaming==0.13.0"], check=True)
-    return py
+# ---- the head-to-head -----------------------------------------------------------------------
 
 
-def mosaic(py: Path, *args: str, env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run(
-        [str(py), str(RUNNER), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=1800,
-    )
-    if out.returncode:
-        raise RuntimeError(f"Mosaic runner failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _rate(runs: list[dict], key: str = "rows") -> float:
+    return statistics.median(r[key] / r["seconds"] for r in runs)
 
 
-def read_ours(url: str, *, limit: int | None = None, **kw) -> dict:
-    t0 = time.perf_counter()
-    stream = PackedShardStream(url, dp_rank=0, dp_size=1, rows_per_step=8, seed=0, **kw)
-    rows = tokens = 0
-    for mb in stream:
-        rows += mb["row"] >= 0
-        tokens += mb["num_tokens"]
-        if limit is not None and rows >= limit:
-            break
-    dt = time.perf_counter() - t0
-    stream.close()
-    return {"rows": rows, "tokens": tokens, "seconds": dt}
+def _interleaved(
+    jobs: dict[str, Callable[[int], dict]], repeats: int, rows: int, *, strict: bool = True
+) -> dict[str, list[dict]]:
+    """Run every job `repeats` times, round-robin (job order rotates each round, so no side
+    always runs first after a pause); check each read the whole epoch, exactly: a job that
+    does not raises (`strict`) or is dropped from further rounds with its runs marked."""
+    results: dict[str, list[dict]] = {name: [] for name in jobs}
+    names = list(jobs)
+    for rep in range(repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            if results[name] and "wrong_rows" in results[name][-1]:
+                continue
+            r = jobs[name](rep)
+            if r["rows"] != rows:
+                if strict:
+                    raise RuntimeError(f"{name} read {r['rows']} rows, the dataset has {rows}")
+                r["wrong_rows"] = True
+            results[name].append(r)
+        print(f"  round {rep + 1}/{repeats}: " + ", ".join(
+            f"{n} {results[n][-1]['rows'] / results[n][-1]['seconds']:,.0f}" for n in names), flush=True)  # fmt: skip
+    return results
 
 
-def upload(client, bucket: str, prefix: str, root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(root).as_posix()}")
+def sweep_mosaic(
+    py: Path, mds: dict[str, Path], rows: int, repeats: int, server: MotoServer | None, work: Path
+) -> tuple[dict, dict, list[list[object]]]:
+    """Mosaic's sweep; returns (best local config, best S3 config or {}, table rows)."""
+    table: list[list[object]] = []
+    best: dict[str, dict] = {}
+    for where in ("local", "S3") if server else ("local",):
+        configs = mosaic_sweep(rows, where == "S3")
+
+        def job(c: dict, where: str = where) -> Callable[[int], dict]:
+            if where == "local":
+                return lambda rep: mosaic_read(py, mds[c["mds"]], c)
+            cache = work / "sweep-cache"
+
+            def remote(rep: int) -> dict:
+                shutil.rmtree(cache, ignore_errors=True)
+                return mosaic_read(
+                    py, cache, c, remote=f"s3://bench/mds-{c['mds']}", endpoint=server.endpoint
+                )
+
+            return remote
+
+        print(f"Mosaic sweep, {where}: {len(configs)} configurations x {repeats}", flush=True)
+        res = _interleaved({describe(c): job(c) for c in configs}, repeats, rows, strict=False)
+        fair = [c for c in configs if "wrong_rows" not in res[describe(c)][-1]]
+        rates = {describe(c): _rate(res[describe(c)]) for c in fair}
+        best[where] = max(fair, key=lambda c: rates[describe(c)])
+        for c in configs:
+            name = describe(c)
+            if name not in rates:
+                table.append(
+                    [where, name, f"excluded: reads {res[name][-1]['rows']} rows, not {rows}", ""]
+                )
+            else:
+                table.append(
+                    [where, name, f"{rates[name]:,.0f}", "best" if c is best[where] else ""]
+                )
+    return best["local"], best.get("S3", {}), table
+
+
+def head_to_head(
+    py: Path, ours: Path, mds: dict[str, Path], best_local: dict, best_s3: dict,
+    rows: int, repeats: int, server: MotoServer | None, work: Path,
+) -> dict[str, list[dict]]:  # fmt: skip
+    jobs: dict[str, Callable[[int], dict]] = {
+        "ours local": lambda rep: ours_read(str(ours)),
+        "Mosaic local + build": lambda rep: mosaic_read(py, mds[best_local["mds"]], best_local, build=True),
+        "Mosaic local": lambda rep: mosaic_read(py, mds[best_local["mds"]], best_local),
+    }  # fmt: skip
+    if server is not None:
+        opts = server.storage_options
+
+        def fresh(name: str, rep: int) -> Path:
+            path = work / f"{name}-{rep}"
+            shutil.rmtree(path, ignore_errors=True)
+            return path
+
+        remote = f"s3://bench/mds-{best_s3['mds']}"
+        jobs |= {
+            "ours S3, cache_dir": lambda rep: ours_read("s3://bench/ours", storage_options=opts, cache_dir=fresh("oc", rep)),
+            "ours S3, no cache": lambda rep: ours_read("s3://bench/ours", storage_options=opts),
+            "Mosaic S3 + build": lambda rep: mosaic_read(py, fresh("mb", rep), best_s3, remote=remote, build=True, endpoint=server.endpoint),
+            "Mosaic S3": lambda rep: mosaic_read(py, fresh("mc", rep), best_s3, remote=remote, endpoint=server.endpoint),
+        }  # fmt: skip
+    print(f"head to head: {len(jobs)} readers x {repeats}", flush=True)
+    return _interleaved(jobs, repeats, rows)
+
+
+def result_table(results: dict[str, list[dict]]) -> list[list[object]]:
+    """One line per packshard reading, against Mosaic doing the same work and Mosaic raw."""
+    out = []
+    for ours_name, peer in (
+        ("ours local", "Mosaic local"),
+        ("ours S3, cache_dir", "Mosaic S3"),
+        ("ours S3, no cache", "Mosaic S3"),
+    ):
+        if ours_name not in results:
+            continue
+        mine, same, raw = (
+            _rate(results[ours_name]),
+            _rate(results[f"{peer} + build"]),
+            _rate(results[peer]),
+        )
+        loads = [r["load"] for name in (ours_name, peer, f"{peer} + build") for r in results[name]]
+        out.append([
+            ours_name, f"{mine:,.0f}", f"{_rate(results[ours_name], 'tokens') / 1e6:.1f}",
+            f"{same:,.0f}", f"**{mine / same:.2f}x**", f"{raw:,.0f}", f"{mine / raw:.2f}x",
+            f"{statistics.median(loads):.2f}",
+        ])  # fmt: skip
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1500, help="packed rows in the throughput dataset")
     p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="head-to-head rounds (medians)")
+    p.add_argument("--sweep-repeats", type=int, default=2, help="runs per Mosaic configuration")
     p.add_argument("--no-s3", action="store_true")
-    p.add_argument(
-        "--no-append", action="store_true", help="print only; do not append to RESULTS.md"
-    )
+    p.add_argument("--append-results", action="store_true", help="record the run in RESULTS.md")
     args = p.parse_args(argv)
     load_before = os.getloadavg()
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
 
     lengths, source = mix_lengths()
     bal_rows, bal = balance_table(lengths)
-    bal_headers = [
-        "rows_per_step (dp=4)",
-        "cost mean",
-        "cost p95",
-        "cost max",
-        "count mean",
-        "count p95",
-        "count max",
-        "optimum mean",
-    ]
+    bal_headers = ["rows_per_step (dp=4)", "cost mean", "cost p95", "cost max", "count mean", "count p95", "count max", "optimum mean"]  # fmt: skip
     print(markdown_table(bal_headers, bal_rows))
 
     work = BENCH / "stream"
@@ -324,113 +374,59 @@ def main(argv: list[str] | None = None) -> int:
     ours, raw, manifest = build_datasets(lengths, args.seq_len, args.rows, work)
     n_rows, n_tokens = manifest["totals"]["rows"], manifest["totals"]["num_tokens"]
     py = ensure_mosaic_venv()
-    mds = work / "mds"
-    mosaic(py, "write", str(raw), str(mds))
-
-    server = None
-    results: dict[str, list[dict]] = {}
+    mds = {name: work / f"mds-{name}" for name in MDS_SIZES}
+    mds_bytes = {name: mosaic_write(py, raw, mds[name], size)["bytes"] for name, size in MDS_SIZES.items()}  # fmt: skip
+    server = None if args.no_s3 else MotoServer()
     try:
-        s3: dict[str, str] = {}
-        opts: dict[str, str] = {}
-        if not args.no_s3:
-            import boto3
-            from moto.server import ThreadedMotoServer
-
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-            server.start()
-            endpoint = f"http://127.0.0.1:{port}"
-            os.environ.update(
-                AWS_ACCESS_KEY_ID="testing",
-                AWS_SECRET_ACCESS_KEY="testing",
-                AWS_DEFAULT_REGION="us-east-1",
-            )
-            client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        if server is not None:
+            client = server.client()
             client.create_bucket(Bucket="bench")
-            upload(client, "bench", "ours", ours)
-            upload(client, "bench", "mds", mds)
-            opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-            s3 = {"S3_ENDPOINT_URL": endpoint}
-        # warm-up: imports (s3fs, pyarrow's pandas shim) out of the timed runs, as Mosaic's are
-        read_ours(str(ours), limit=16)
-        if s3:
-            read_ours("s3://bench/ours", storage_options=opts, limit=16)
-        for rep in range(args.repeats):
-            print(f"repeat {rep + 1}/{args.repeats}", flush=True)
-            results.setdefault("ours local", []).append(read_ours(str(ours)))
-            results.setdefault("Mosaic local", []).append(
-                mosaic(py, "read", "--local", str(mds), "--shuffle")
-            )
-            if s3:
-                cache = work / f"cache-{rep}"
-                results.setdefault("ours S3, cache_dir (cold)", []).append(
-                    read_ours("s3://bench/ours", storage_options=opts, cache_dir=cache)
-                )
-                mlocal = work / f"mds-cache-{rep}"
-                results.setdefault("Mosaic S3 (cold local cache)", []).append(
-                    mosaic(
-                        py,
-                        "read",
-                        "--local",
-                        str(mlocal),
-                        "--remote",
-                        "s3://bench/mds",
-                        "--shuffle",
-                        env=s3,
-                    )
-                )
-                results.setdefault("ours S3, range reads, no cache (first 200 rows)", []).append(
-                    read_ours("s3://bench/ours", storage_options=opts, limit=200)
-                )
-                shutil.rmtree(cache, ignore_errors=True)
-                shutil.rmtree(mlocal, ignore_errors=True)
+            server.upload("bench", "ours", ours)
+            for name, path in mds.items():
+                server.upload("bench", f"mds-{name}", path)
+        best_local, best_s3, sweep = sweep_mosaic(py, mds, n_rows, args.sweep_repeats, server, work)
+        results = head_to_head(
+            py, ours, mds, best_local, best_s3, n_rows, args.repeats, server, work
+        )
     finally:
         if server is not None:
             server.stop()
-
-    def med(name: str, key: str) -> float:
-        return statistics.median(r[key] / r["seconds"] for r in results[name])
-
-    for name, runs in results.items():
-        full = "first" not in name
-        for r in runs:
-            if full and r["rows"] != n_rows:  # real rows, fillers excluded
-                raise RuntimeError(f"{name} read {r['rows']} rows, the dataset has {n_rows}")
-    rows_out = []
-    for name in results:
-        peer = "Mosaic local" if "local" in name else "Mosaic S3 (cold local cache)"
-        ratio = (
-            med(name, "rows") / med(peer, "rows")
-            if not name.startswith("Mosaic") and peer in results
-            else None
-        )
-        rows_out.append(
-            [
-                name,
-                f"{med(name, 'rows'):,.0f}",
-                f"{med(name, 'tokens') / 1e6:,.2f}",
-                f"{ratio:.2f}x" if ratio else "-",
-            ]
-        )
-    headers = ["reader (1 rank, shuffled epoch)", "rows/s", "M tokens/s", "vs Mosaic rows/s"]
-    table = markdown_table(headers, rows_out)
+    headers = [
+        "packshard reading (1 rank, shuffled epoch)", "rows/s", "M tokens/s",
+        "Mosaic + same build, rows/s", "ratio", "Mosaic raw samples, rows/s", "ratio", "load (1 min)",
+    ]  # fmt: skip
+    table = markdown_table(headers, result_table(results))
+    sweep_table = markdown_table(["where", "Mosaic configuration", "rows/s (median)", ""], sweep)
     print(table)
+    print(sweep_table)
     load_after = os.getloadavg()
+    ours_bytes = sum(s["bytes"] for s in manifest["shards"])
     body = (
-        f"Throughput: {n_rows} rows of seq_len {args.seq_len} ({n_tokens / 1e6:.1f}M true tokens, "
-        f"{len(manifest['shards'])} packshard shards of record batches of {manifest['shards'][0]['rows_per_batch']} rows; "
-        f"MDS shards of 32 MiB), median of {args.repeats} interleaved runs. Ours yields finished micro-batches "
-        "(labels, position ids, cu_seqlens, ks/ke, torch tensors), Mosaic raw numpy samples.\n\n"
-        f"{table}\n\nBalance: {source}; {bal['rows']} rows packed at seq_len 32768 by BFD "
+        f"Throughput: {n_rows} rows of seq_len {args.seq_len} ({n_tokens / 1e6:.1f}M true tokens) as "
+        f"{len(manifest['shards'])} packshard shard(s) of record batches of {manifest['shards'][0]['rows_per_batch']} rows "
+        f"({ours_bytes / 2**20:.1f} MiB) and as MDS shards with the same bytes per row (loss_mask as bits on both sides, "
+        f"{mds_bytes['64MiB'] / 2**20:.1f} MiB). One rank, one shuffled epoch, each run a fresh process, timed from the "
+        "reader's constructor (manifest/index reads, S3 client creation, downloads) to the epoch's last row; library "
+        f"imports (packshard, torch, s3fs / streaming, torch, boto3) before the window on both sides. Medians of {args.repeats} "
+        "interleaved rounds; moto's S3 server runs in its own process. Ours yields training-ready micro-batches (labels, "
+        "position ids, cu_seqlens, ks/ke as torch tensors; every row checked against its checksum); \"Mosaic + same build\" "
+        "turns each Mosaic sample into the same micro-batch with packshard's build_microbatch (the same work, the ratio "
+        "in bold); \"Mosaic raw\" only unpacks the mask (its most favourable reading). Mosaic has no cache-less mode (it "
+        "always downloads whole shards), so both S3 rows compare with its cold-cache S3 run. Mosaic's best configuration "
+        f"from the sweep below: local {describe(best_local)}" + (f"; S3 {describe(best_s3)}" if best_s3 else "") + ".\n\n"
+        f"{table}\n\nMosaic sweep (median of {args.sweep_repeats} runs each; configurations in benchmarks/_stream_sides.py):\n\n"
+        f"{sweep_table}\n\nBalance: {source}; {bal['rows']} rows packed at seq_len 32768 by BFD "
         f"(row cost max/mean {bal['cost_spread']:.2f}); max/mean rank cost per full step, dp=4, 3 epochs.\n\n"
         f"{markdown_table(bal_headers, bal_rows)}\n\n"
         f"Load average (1/5/15 min) before: {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
-        f"after: {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} (2 cores shared with other work)."
-    )
-    if not args.no_append:
-        append_result("bench_stream: PackedShardStream vs MosaicML streaming; DP balance", body)
+        f"after: {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} ({os.cpu_count()} cores)."
+    )  # fmt: skip
+    if args.append_results:
+        record_result(
+            "bench_stream", "bench_stream: PackedShardStream vs MosaicML streaming; DP balance", body,
+            data={"runs": results, "sweep": sweep, "best_local": best_local, "best_s3": best_s3,
+                  "load_before": load_before, "load_after": load_after},
+        )  # fmt: skip
     return 0
 
 
