@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -135,6 +136,10 @@ def encoder_for(spec: WorkSpec) -> SampleEncoder | None:
         default=str,
     )
     if key not in _ENCODERS:
+        # One task a CPU: the Rust tokenizer's own thread pool would put ~1.6 cores' worth of
+        # threads on each (Ray pins OpenMP threads to a task's CPUs the same way); a user's
+        # TOKENIZERS_PARALLELISM (through the job's runtime env) wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         payload = spec.tokenizer
         if not isinstance(payload, TokenizerPayload):
             import ray
