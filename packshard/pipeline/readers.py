@@ -269,6 +269,43 @@ def _decode_line(line: bytes, fmt: str) -> Any:
         return BadRecord("malformed_json", f"{e.msg} at column {e.colno}")
 
 
+TABLE_FORMATS = ("parquet", "arrow", "arrow_stream")
+
+
+def read_tables(
+    f: InputFile,
+    start: int,
+    stop: int,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    fields: Sequence[str] | None = None,
+) -> Iterator[tuple[int, pa.Table]]:
+    """Records [start, stop) of a tabular file as Arrow (first record index, table) pieces,
+    never converted to Python objects: for readers that work column-wise (pre-tokenized ids
+    are ~30x faster as arrays than as lists of Python ints)."""
+    if f.format not in TABLE_FORMATS:
+        raise ValueError(f"{f.display}: {f.format} is not a tabular format {TABLE_FORMATS}")
+    try:
+        yield from _table_pieces(f, start, stop, storage_options, fields)
+    except (OSError, EOFError, pa.ArrowInvalid) as e:
+        raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
+
+
+def _table_pieces(
+    f: InputFile,
+    start: int,
+    stop: int,
+    storage_options: Mapping[str, Any] | None,
+    fields: Sequence[str] | None,
+) -> Iterator[tuple[int, pa.Table]]:
+    fs, path = url_to_fs(f.url, storage_options)
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    with (
+        pa.memory_map(path) if local and f.format != "parquet" else _open(f, storage_options) as fh
+    ):
+        yield from _tables(f, fh, start, stop, fields)
+
+
 def _read_table(
     f: InputFile,
     start: int,
@@ -276,14 +313,9 @@ def _read_table(
     storage_options: Mapping[str, Any] | None,
     fields: Sequence[str] | None,
 ) -> Iterator[Record]:
-    fs, path = url_to_fs(f.url, storage_options)
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    with (
-        pa.memory_map(path) if local and f.format != "parquet" else _open(f, storage_options) as fh
-    ):
-        for first, table in _tables(f, fh, start, stop, fields):
-            for i, rec in enumerate(table.to_pylist()):
-                yield f"{f.display}:row {first + i + 1}", rec
+    for first, table in _table_pieces(f, start, stop, storage_options, fields):
+        for i, rec in enumerate(table.to_pylist()):
+            yield f"{f.display}:row {first + i + 1}", rec
 
 
 def _tables(

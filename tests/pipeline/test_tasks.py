@@ -11,10 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from packshard.pipeline import tasks
 from packshard.pipeline.inputs import resolve_inputs
 from packshard.pipeline.jobstate import marker_path
 from packshard.pipeline.planning import ShardPlan, contributions, plan_shards
 from packshard.pipeline.readers import count_records
+from packshard.pipeline.samples import REASONS
 from packshard.pipeline.tasks import WorkSpec, check_shard, pack_shard, tokenize_block
 from packshard.pipeline.tokenization import SampleEncoder, load_tokenizer
 
@@ -29,6 +31,9 @@ def _spec(out: Path, **kw) -> WorkSpec:
         "overlong": "truncate", "carry_rows": 1, "rows_per_batch": 16, "config_digest": "sha256:test",
     }  # fmt: skip
     return WorkSpec(**{**base, **kw})
+
+
+GOOD_CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 
 
 def _records(n: int) -> list[dict]:
@@ -152,3 +157,79 @@ def test_no_tokenizer_accepts_pretokenized_only(tmp_path: Path):
     meta, block = tokenize_block(spec, f, 0, 2, 0)
     assert block.tokens.tolist() == [1, 2, 3] and block.mask.tolist() == [False, True, True]
     assert meta.examples[0][2] == "no_tokenizer"
+
+
+# ---- pre-tokenized tables: read column-wise when clean, per record otherwise ---------------
+
+PRETOKENIZED = [
+    {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+    {"input_ids": [8], "loss_mask": [1]},
+    {"input_ids": list(range(10, 60)), "loss_mask": [i % 2 for i in range(50)]},
+]
+BAD_PRETOKENIZED = {  # record -> the reason the per-record path gives it
+    "empty_input_ids": {"input_ids": [], "loss_mask": []},
+    "loss_mask_length": {"input_ids": [1, 2], "loss_mask": [1]},
+    "token_out_of_range": {"input_ids": [1, 10**6], "loss_mask": [1, 1]},
+    "no_loss_tokens": {"input_ids": [1, 2], "loss_mask": [0, 0]},
+    "bad_field_type": {"input_ids": None, "loss_mask": [1]},
+}
+
+
+def _both_paths(tmp_path: Path, records: list[dict], spec: WorkSpec, **table_kw):
+    """tokenize_block over the records as parquet and as JSON lines (always per record)."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records, **table_kw), tmp_path / "ids.parquet")
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = []
+    for name in ("ids.parquet", "ids.jsonl"):
+        (f,) = resolve_inputs([str(tmp_path / name)])
+        f = count_records(f)
+        out.append((f, tokenize_block(spec, f, 0, f.records, 100)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["input_ids", "auto"])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_clean_pretokenized_tables_are_read_as_arrays_with_the_same_result(
+    tmp_path: Path, kind: str, with_mask: bool
+):
+    records = [r if with_mask else {"input_ids": r["input_ids"]} for r in PRETOKENIZED]
+    schema = pa.schema(
+        [("input_ids", pa.large_list(pa.int64()))]
+        + ([("loss_mask", pa.list_(pa.int8()))] if with_mask else [])
+    )
+    spec = _spec(tmp_path / "out", kind=kind)
+    (fp, (mp, bp)), (_, (mj, bj)) = _both_paths(tmp_path, records, spec, schema=schema)
+    assert tasks.columnar_block(spec, fp, 0, fp.records, 1000) is not None
+    for a, b in ((bp.offsets, bj.offsets), (bp.tokens, bj.tokens), (bp.mask, bj.mask)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert bp.tokens.dtype == np.int32 and bp.first_id == 100 and not bp.status.any()
+    assert (mp.tokens, mp.loss_tokens, mp.lengths.tolist()) == (
+        mj.tokens,
+        mj.loss_tokens,
+        [3, 1, 50],
+    )
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_PRETOKENIZED))
+def test_a_bad_pretokenized_record_takes_the_per_record_path_and_is_named(
+    tmp_path: Path, reason: str
+):
+    records = [*PRETOKENIZED[:2], BAD_PRETOKENIZED[reason], PRETOKENIZED[2]]
+    spec = _spec(tmp_path / "out", kind="input_ids")
+    (fp, (mp, bp)), (_, (mj, bj)) = _both_paths(tmp_path, records, spec)
+    assert tasks.columnar_block(spec, fp, 0, fp.records, 1000) is None
+    assert mp.status.tolist() == mj.status.tolist() == [0, 0, REASONS.index(reason) + 1, 0]
+    assert [e[2] for e in mp.examples] == [reason] and mp.examples[0][1].endswith(
+        "ids.parquet:row 3"
+    )
+    assert np.array_equal(bp.tokens, bj.tokens) and np.array_equal(bp.mask, bj.mask)
+
+
+def test_a_table_with_chats_in_auto_is_read_per_record(tmp_path: Path):
+    records = [{**PRETOKENIZED[0], "messages": None}, {"input_ids": None, **GOOD_CHAT}]
+    spec = _spec(tmp_path / "out")
+    (fp, (mp, _)), _ = _both_paths(tmp_path, records, spec)
+    assert tasks.columnar_block(spec, fp, 0, 2, 1000) is None
+    assert not mp.status.any() and mp.lengths[0] == 3 and mp.lengths[1] > 3
