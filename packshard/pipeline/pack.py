@@ -47,8 +47,8 @@ from packshard._extras import EXTRAS, MissingExtraError
 RAY_START_ATTEMPTS = 3
 
 
-def check_environment() -> None:
-    """Fail at once, naming the fix, when this Python lacks what the job imports.
+def missing_environment() -> str | None:
+    """What this Python lacks for the job, with the fix; None when it has everything.
 
     Under `ray job submit` the entrypoint's ``python`` is the first one on the Ray head's PATH
     when ``ray start`` ran, which need not be the environment packshard is installed in.
@@ -60,21 +60,23 @@ def check_environment() -> None:
         if importlib.util.find_spec(m) is None
     ]
     if not missing:
-        return
+        return None
     message = f"the pack job needs {', '.join(missing)}, which this Python ({sys.executable}) lacks"
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or os.environ.get("RAY_ADDRESS"):
-        message += (
+        return message + (
             ". Under `ray job submit` the job's `python` is the first on the Ray head's PATH when "
             "`ray start` ran: start the head from the environment that has packshard[pack] (its "
             "venv activated, or deploy/Dockerfile's image), or submit with --runtime-env-json "
             '\'{"env_vars": {"PATH": "/path/to/venv/bin:${PATH}"}}\' (docs/OPERATIONS.md)'
         )
-    else:
-        message += ": pip install 'packshard[pack]'"
-    raise MissingExtraError(message, name=missing[0])
+    return message + ": pip install 'packshard[pack]'"
 
 
-check_environment()
+if (_MISSING := missing_environment()) is not None:
+    if __name__ == "__main__":  # `python -m packshard.pipeline.pack`: one line, no traceback
+        print(f"packshard pack: error: {_MISSING}", file=sys.stderr)
+        sys.exit(1)
+    raise MissingExtraError(_MISSING, name="packshard.pipeline.pack")
 
 from packshard.packers import FormatError, ShardDataset, finalize_dataset, rows_per_batch_for
 from packshard.pipeline.config import PackConfig, config_from_args
@@ -253,7 +255,7 @@ def run(cfg: PackConfig) -> int:
 
     started, counter = start_ray(cfg), None
     try:
-        phase("started Ray" if started else "joined Ray")
+        phase("joined the Ray cluster" if os.environ.get("RAY_ADDRESS") else "started a local Ray")
         stop = StopFlag()
         with stop_on_signals(stop):
             if state.status == "resume":  # the plan holds the counts

@@ -1,7 +1,12 @@
 """The pack job against a real Ray cluster this module starts (`ray start --head --block` on its
-own ports and temp dir, stopped by its pid at the end):
+own ports and temp dir, stopped by its pid at the end). The head is started with another Python
+first on its PATH (the interpreter this venv was made from, without our dependencies), as when
+a head was not started from packshard's environment:
 
-- `ray job submit --working-dir . -- python -m packshard.pipeline.pack ...` succeeds and the dataset verifies;
+- `ray job submit --working-dir . -- python -m packshard.pipeline.pack ...` then stops at once,
+  naming the Python that lacks the dependencies and the fix (docs/OPERATIONS.md);
+- with that fix, `--runtime-env-json` naming the venv (PATH for the entrypoint's `python`,
+  `py_executable` for the workers), it succeeds and the dataset verifies;
 - a job stopped by SIGTERM (what `ray job stop` sends) and then killed by SIGKILL (a crash),
   rerun with the same command, gives the very bytes of an uninterrupted run.
 """
@@ -9,6 +14,7 @@ own ports and temp dir, stopped by its pid at the end):
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import signal
@@ -35,6 +41,16 @@ from tests.integration._procs import (
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+# the interpreter this venv was made from: no numpy, pyarrow or Ray of ours
+BASE_PYTHON = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+
+
+def _lacks_dependencies(python: Path) -> bool:
+    probe = "import importlib.util as u; print(all(u.find_spec(m) for m in ('pyarrow', 'ray')))"
+    r = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
+    return r.stdout.strip() != "True"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,6 +75,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         # Ray >= 2.50 protects a cluster started by `ray start` with a token; give it ours, so the
         # jobs CLI and the drivers can authenticate (nothing is read from or written to ~/.ray).
         env = pack_env(rt, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        # the head's PATH: a `python` without our dependencies first, no venv
+        other = tmp_path_factory.mktemp("other-python")
+        (other / "python").symlink_to(BASE_PYTHON)
+        path = [p for p in env["PATH"].split(os.pathsep) if Path(p) != BIN]
+        head_env = {**env, "PATH": os.pathsep.join([str(other), *path])}
         gcs, dash = _free_port(), _free_port()
         head = start(
             [
@@ -80,7 +101,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                 rt,
                 "--disable-usage-stats",
             ],
-            env,
+            head_env,
             log,
         )
         address = f"http://127.0.0.1:{dash}"
@@ -102,20 +123,45 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             kill_processes_using(rt)  # anything of this head's temp dir that outlived it
 
 
-def test_job_submit_runs_the_pack_job_on_the_cluster(cluster, tmp_path: Path):
-    address, _, env = cluster
-    out = tmp_path / "out"
-    cmd = [
-        str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--",
-        "python", "-m", "packshard.pipeline.pack", "--input", "demo://?num_math=300&num_trajectories=3",
-        "--tokenizer", "packshard:demo", "--output", str(out), "--seq-len", "8192", "--cp", "8",
-        "--window", "4", "--shard-tokens", "60000", "--no-progress",
-    ]  # fmt: skip
+def _submit(address: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".", *args]
     for _ in range(30):  # the head's job agent registers a little after the jobs API answers
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         if "No available agent to submit job" not in r.stderr:
-            break
+            return r
         time.sleep(2)
+    return r
+
+
+JOB = [
+    "--", "python", "-m", "packshard.pipeline.pack", "--input", "demo://?num_math=300&num_trajectories=3",
+    "--tokenizer", "packshard:demo", "--seq-len", "8192", "--cp", "8",
+    "--window", "4", "--shard-tokens", "60000", "--no-progress",
+]  # fmt: skip
+
+
+def test_a_head_started_from_another_python_is_named_with_the_fix(cluster, tmp_path: Path):
+    if not _lacks_dependencies(BASE_PYTHON):
+        pytest.skip(f"{BASE_PYTHON} has packshard's dependencies: nothing to show")
+    address, _, env = cluster
+    r = _submit(address, env, *JOB, "--output", str(tmp_path / "out"))
+    assert r.returncode != 0, r.stdout[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("packshard pack: error:")]
+    # one line (the CLI prints the job's log and its status message: twice), no traceback
+    assert len(set(lines)) == 1, r.stdout[-3000:]
+    assert "the pack job needs" in lines[0] and "pyarrow" in lines[0]
+    assert re.search(r"which this Python \(\S*other-python\d*/python\) lacks", lines[0]), lines[0]
+    assert "--runtime-env-json" in lines[0] and "Traceback" not in r.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_job_submit_runs_the_pack_job_on_the_cluster(cluster, tmp_path: Path):
+    address, _, env = cluster
+    out = tmp_path / "out"
+    runtime_env = {"env_vars": {"PATH": f"{BIN}:${{PATH}}"}, "py_executable": str(BIN / "python")}
+    r = _submit(
+        address, env, "--runtime-env-json", json.dumps(runtime_env), *JOB, "--output", str(out)
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "packshard pack: committed" in r.stdout and "succeeded" in r.stdout
     assert verify_dataset(str(out)) == []
