@@ -14,6 +14,7 @@ indices as the fixed config).
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -106,6 +107,10 @@ def integer_topk_check(indexer, inputs, sel: torch.Tensor, pos: torch.Tensor):
         wrong.append(wr)
         tied.append(ti)
     return torch.stack(wrong), torch.stack(tied)
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    return set(inspect.signature(type(model).forward).parameters)
 
 
 def capture(indexer: nn.Module) -> tuple[list, torch.utils.hooks.RemovableHandle]:
@@ -323,9 +328,12 @@ def test_right_padded_batch_and_decode_with_cache() -> None:
         ctx = use_packshard_indexer(model, config=CONFIG) if routed else None
         cache = transformers.StaticCache(config=model.config, max_cache_len=16) if static else None
         try:
-            first = model(ids[:1, :11], cache=cache, use_cache=True)
-            step = model(ids[:1, 11:], cache=first.cache, position_ids=torch.tensor([[11]]))
-            return step.logits, first.cache.layers[0].indexer_keys
+            # transformers 5.17 names the cache `past_key_values`, 5.25 `cache`
+            kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
+            first = model(ids[:1, :11], **{kw: cache}, use_cache=True)
+            held = getattr(first, kw)
+            step = model(ids[:1, 11:], **{kw: held}, position_ids=torch.tensor([[11]]))
+            return step.logits, held.layers[0].indexer_keys
         finally:
             if ctx is not None:
                 ctx.restore()
