@@ -272,7 +272,7 @@ def own_forward(indexer, args, chunk: int | None) -> torch.Tensor:
 
 
 def time_ms(fn: Callable[[], object], reps: int, warmup: int, cuda: bool) -> list[float]:
-    """Per-run times: CUDA events with the device synchronised before each run (host clock on CPU)."""
+    """Per-run times: CUDA events, the device synchronised before each run (host clock on CPU)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -438,7 +438,8 @@ def render(results: list[dict], meta: dict) -> str:
         against = "whole" if "vs_own" in rnd else f"chunk {bp['chunk']}"
         floor = rnd.get("own_whole_vs_chunked")
         checks.append([
-            r["tokens"], f"{e['ours_wrong']} / {e['own_wrong']}", f"{e['identical']} / {e['queries']}",
+            r["tokens"], f"{e['ours_wrong']} / {e['own_wrong']}",
+            f"{e['identical']} / {e['queries']}",
             e["tied"], e["differ_untied"],
             f"{vs_own['overlap']:.4f} ({vs_own['identical']:.3f}) vs {against}",
             f"{floor['overlap']:.4f}" if floor else "-", vs_own["rows"],
@@ -487,13 +488,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     )  # fmt: skip
     ap.add_argument("--out", type=Path, help="folder for bench_hf_indexer.json / .md")
     ap.add_argument("--append-results", type=Path, help="record a saved JSON in RESULTS.md")
-    ap.add_argument("--tiny", action="store_true", help="CPU-sized shapes (tests)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: CPU (interpreter) tests")
     opts = ap.parse_args(argv)
     opts.deadline = time.monotonic() + opts.budget_s
     if opts.append_results:
         print(append_results(opts.append_results))
         return None
-    cuda = torch.cuda.is_available() and not opts.tiny
+    cuda = torch.cuda.is_available()  # --tiny runs on the GPU too where there is one
     if not cuda and not opts.tiny:
         ap.error("no CUDA device: run on the GPU, or pass --tiny for the CPU-sized check")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

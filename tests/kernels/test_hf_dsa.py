@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,9 @@ from packshard.kernels import FIXED_CONFIG  # noqa: E402
 from packshard.kernels.hf import document_ranges, use_packshard_indexer  # noqa: E402
 from tests.kernels._cases import SMALL  # noqa: E402
 
-CONFIG = FIXED_CONFIG if torch.cuda.is_available() else SMALL
+# on a GPU machine the same tests run the compiled kernels (fixed config) on CUDA tensors
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIG = FIXED_CONFIG if DEVICE == "cuda" else SMALL
 TOPK = 4
 FAMILIES = ["glm_moe_dsa", "deepseek_v32"]
 DOCS = [13, 3, 20]  # one packed row: documents longer and shorter than TOPK
@@ -49,11 +52,11 @@ def tiny_model(family: str, attn: str = "sdpa") -> nn.Module:
             num_hidden_layers=2, indexer_types=["full", "shared"], mlp_layer_types=["dense"] * 2,
             **common,
         )  # fmt: skip
-        return transformers.GlmMoeDsaForCausalLM(config).eval()
+        return transformers.GlmMoeDsaForCausalLM(config).eval().to(DEVICE)
     config = transformers.DeepseekV32Config(
         num_hidden_layers=1, mlp_layer_types=["dense"], **common
     )
-    return transformers.DeepseekV32ForCausalLM(config).eval()
+    return transformers.DeepseekV32ForCausalLM(config).eval().to(DEVICE)
 
 
 def first_indexer(model: nn.Module) -> nn.Module:
@@ -61,7 +64,7 @@ def first_indexer(model: nn.Module) -> nn.Module:
 
 
 def packed_pos(docs: list[int]) -> torch.Tensor:
-    return torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+    return torch.cat([torch.arange(n) for n in docs]).unsqueeze(0).to(DEVICE)
 
 
 def starts(docs: list[int]) -> list[int]:
@@ -100,8 +103,7 @@ def integer_topk_check(indexer, inputs, sel: torch.Tensor, pos: torch.Tensor):
     q, k, w = bench.integer_qkw(indexer, hidden, q_resid, pe)
     wrong, tied = [], []
     for b in range(pos.shape[0]):
-        ks_np, ke_np = document_ranges(pos[b : b + 1].numpy())
-        ks, ke = torch.from_numpy(ks_np[0]), torch.from_numpy(ke_np[0])
+        ks, ke = _ranges(pos)[b]
         scores = bench.integer_scores(q[b], k[b], w[b])
         wr, ti = bench.check_topk(scores, sel[b], ks, ke, indexer.index_topk)
         wrong.append(wr)
@@ -149,7 +151,7 @@ def test_routes_restores_and_is_idempotent() -> None:
         use_packshard_indexer(model, config=CONFIG, unused_slots="minus_one")
     with pytest.raises(ValueError, match="another handle"):
         use_packshard_indexer(model.model, config=CONFIG)
-    ids = torch.randint(0, 64, (1, 9))
+    ids = torch.randint(0, 64, (1, 9), device=DEVICE)
     model(ids)
     assert handle.calls == 1
     handle.restore()
@@ -174,7 +176,8 @@ def test_refuses_models_without_a_routable_indexer() -> None:
     with pytest.raises(ValueError, match="DeepseekV4Indexer: deepseek_v4's indexer scores"):
         use_packshard_indexer(nn.ModuleDict({"indexer": DeepseekV4Indexer(config)}))
     with pytest.raises(ValueError, match="unused_slots"):
-        use_packshard_indexer(tiny_model("glm_moe_dsa"), unused_slots="zero")  # type: ignore[arg-type]
+        bad: Any = "zero"
+        use_packshard_indexer(tiny_model("glm_moe_dsa"), unused_slots=bad)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -201,7 +204,7 @@ def test_packed_selection_equals_own_per_document(family: str) -> None:
             one = own(
                 indexer, hidden[b : b + 1, sl], q_resid[b : b + 1, sl],
                 (pe[0][b : b + 1, sl], pe[1][b : b + 1, sl]),
-                torch.ones(1, n, n, dtype=torch.bool).tril(), pos[b : b + 1, sl],
+                torch.ones(1, n, n, dtype=torch.bool, device=DEVICE).tril(), pos[b : b + 1, sl],
             )[0]  # fmt: skip
             theirs[b, sl, : one.shape[1]] = one + st
             theirs[b, sl, one.shape[1] :] = one[:, :1] + st
@@ -228,8 +231,8 @@ def test_packed_selection_equals_own_per_document(family: str) -> None:
 def _ranges(pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for b in range(pos.shape[0]):
-        ks, ke = document_ranges(pos[b : b + 1].numpy())
-        out.append((torch.from_numpy(ks[0]), torch.from_numpy(ke[0])))
+        ks, ke = document_ranges(pos[b : b + 1].cpu().numpy())
+        out.append((torch.from_numpy(ks[0]).to(DEVICE), torch.from_numpy(ke[0]).to(DEVICE)))
     return out
 
 
@@ -257,9 +260,9 @@ def test_ranges_follow_each_calls_position_ids() -> None:
     with use_packshard_indexer(indexer, config=CONFIG, unused_slots="minus_one"):
         two = indexer(hidden, q_resid, pe, None, pos)
         assert torch.equal(indexer(hidden, q_resid, pe, None, pos), two)
-        pos[0, 5:] = torch.arange(5, 12)  # in place: one document now
+        pos[0, 5:] = torch.arange(5, 12, device=DEVICE)  # in place: one document now
         changed = indexer(hidden, q_resid, pe, None, pos)
-        one = indexer(hidden, q_resid, pe, None, torch.arange(12).unsqueeze(0))
+        one = indexer(hidden, q_resid, pe, None, torch.arange(12, device=DEVICE).unsqueeze(0))
     assert torch.equal(changed, one)
     assert (two[0, 5:] < 5).logical_and(two[0, 5:] >= 0).sum() == 0  # the second document
     assert ((one[0, 5:] >= 0) & (one[0, 5:] < 5)).any()
@@ -274,7 +277,7 @@ def test_packed_loss_matches_documents_with_own_indexer(family: str, attn: str) 
     model = exact_model(family, attn)
     indexer = first_indexer(model)
     g = torch.Generator().manual_seed(4)
-    ids = torch.randperm(64, generator=g)[: sum(DOCS)].unsqueeze(0)  # distinct tokens
+    ids = torch.randperm(64, generator=g)[: sum(DOCS)].unsqueeze(0).to(DEVICE)  # distinct
     pos = packed_pos(DOCS)
     seen, hook = capture(indexer)
     doc_logits, loss_sum, count = [], 0.0, 0
@@ -300,7 +303,8 @@ def test_packed_loss_matches_documents_with_own_indexer(family: str, attn: str) 
         "exact_model(seed) must give no tie at a k-th score: pick another seed"
     )
     for st, n, sel in zip(starts(DOCS), DOCS, own_sel, strict=True):
-        ks, ke = torch.zeros(n, dtype=torch.int64), torch.arange(1, n + 1)
+        ks = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+        ke = torch.arange(1, n + 1, device=DEVICE)
         mine = bench.selection_masks(seen[0][1][0, st : st + n] - st, ks, ke, n)
         assert torch.equal(mine, bench.selection_masks(sel[0], ks, ke, n))
     expected = torch.cat(doc_logits, dim=1)
@@ -315,7 +319,7 @@ def test_packed_loss_matches_documents_with_own_indexer(family: str, attn: str) 
 def test_right_padded_batch_and_decode_with_cache() -> None:
     model = exact_model("glm_moe_dsa")
     g = torch.Generator().manual_seed(5)
-    ids = torch.randperm(64, generator=g)[:24].view(2, 12)
+    ids = torch.randperm(64, generator=g)[:24].view(2, 12).to(DEVICE)
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0  # right padding
     own = model(ids, attention_mask=mask, use_cache=False).logits
@@ -332,7 +336,8 @@ def test_right_padded_batch_and_decode_with_cache() -> None:
             kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
             first = model(ids[:1, :11], **{kw: cache}, use_cache=True)
             held = getattr(first, kw)
-            step = model(ids[:1, 11:], **{kw: held}, position_ids=torch.tensor([[11]]))
+            nxt = torch.tensor([[11]], device=DEVICE)
+            step = model(ids[:1, 11:], **{kw: held}, position_ids=nxt)
             return step.logits, held.layers[0].indexer_keys
         finally:
             if ctx is not None:
@@ -347,14 +352,14 @@ def test_right_padded_batch_and_decode_with_cache() -> None:
 
 def test_left_padding_and_bad_position_ids_raise() -> None:
     model = tiny_model("deepseek_v32")
-    ids = torch.randint(0, 64, (2, 8))
+    ids = torch.randint(0, 64, (2, 8), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     with use_packshard_indexer(model, config=CONFIG):
         with pytest.raises(ValueError, match="left padding"):
             model(ids, attention_mask=mask, use_cache=False)
         with pytest.raises(ValueError, match=r"position_ids\[0, 4\] = 7 after 3"):
-            model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 3, 7, 8, 9, 10]]))
+            model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 3, 7, 8, 9, 10]], device=DEVICE))
 
 
 # ----------------------------------------------------------------------------- the benchmark
