@@ -12,6 +12,12 @@ detected from the magic bytes), ``.txt`` (one ``{"text": line}`` per line).
 
 Each file is recorded with its size and version (ETag, or mtime) so that a resumed job can tell
 whether its inputs changed since it started (`pipeline.jobstate`).
+
+Secrets: an input URL may carry credentials (``http://user:pw@host/x.jsonl``) or a signature
+(``https://host/x.jsonl?X-Amz-Signature=...``). `InputFile.url` keeps them to read the file;
+everything written or printed uses `redact_url` / `InputFile.display` (no user info, no query),
+and `InputError` redacts its message itself. An http(s) URL's query is never a glob: a signed
+URL reads as one file, and only ``*`` or ``[`` before its ``?`` make a glob.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ once the dataset is committed):
                                        verified: its plan (positions, windows), manifest entry,
                                        and counters (samples in/kept, drops by reason, cuts)
 
+Before any work (`check_output`) a non-empty OUT that holds neither a dataset nor an unfinished
+job is refused, whatever the flags: packshard never mixes its files with others'. A probe file
+is then written and deleted; any storage error (botocore's, gcsfs', aiohttp's) becomes one line,
+``output URL is not writable (ErrorType: first line)``.
+
 A rerun into the same output (`inspect_output`):
 
 - a committed dataset (manifest.json) with the same config: nothing to do; another config:
@@ -17,11 +22,15 @@ A rerun into the same output (`inspect_output`):
 - an unfinished job (plan.json) with the same config: resume. Its counted inputs are reused
   (no recount) and every shard with a marker is re-hashed against it; shards that verify are
   kept, the rest is redone. Another config (or inputs that changed since: size, mtime or ETag)
-  is refused unless ``--overwrite``;
+  is refused unless ``--overwrite``, except when the job wrote no shard: then nothing verified
+  would be lost, so it is replaced (with a warning naming the differences). A job that failed
+  on its first bad record or a missing column is rerun with the fix its error suggested
+  (``--skip-bad-records``, ``--columns``) as is;
 - shards but no plan (not ours, or a foreign layout): refused unless ``--overwrite``.
 
 ``--overwrite`` deletes only what a pack job writes (manifest first, so no reader sees a
-half-replaced dataset), never other files under OUT.
+half-replaced dataset), never other files under OUT. Nothing here is written with a
+credential: URLs in messages, logs and the plan are redacted (`inputs.redact_url`).
 """
 
 from __future__ import annotations

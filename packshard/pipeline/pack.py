@@ -1,24 +1,28 @@
 """The pack job: raw samples -> a committed packshard dataset, on Ray.
 
-    python -m packshard.pipeline.pack --input 'data/*.jsonl' --output s3://bucket/run/ \\
-        --tokenizer Qwen/Qwen3-8B --seq-len 131072 --cp 8
-    ray job submit --working-dir . -- python -m packshard.pipeline.pack ...   # on a cluster
-    packshard pack ...                                                        # the console script
+    packshard pack --input 'data/*.jsonl' --output s3://bucket/run/ \\
+        --tokenizer Qwen/Qwen3-8B --seq-len 131072 --cp 8 --cp-layout zigzag
+    ray job submit --address http://HEAD:8265 --working-dir . -- \\
+        python -m packshard.pipeline.pack ...                                 # on a cluster
     packshard pack --demo --output demo_out                                   # built-in data, no files
 
-Under `ray job submit` (``RAY_ADDRESS`` set) it connects to that cluster; otherwise it starts a
-local Ray of ``--num-cpus`` CPUs (never joining another local cluster by accident).
+Under `ray job submit` (``RAY_ADDRESS`` set) it joins that cluster; otherwise it starts a local
+Ray of ``--num-cpus`` CPUs (never joining another local cluster by accident).
 
-Steps: check the output is writable; list the inputs; load the tokenizer once on the driver
-(while the local Ray starts), check that packshard renders its chat template exactly like
-`apply_chat_template`, and ship it to the workers through the object store
-(`tokenizer_loading`: workers need neither the files nor the hub); compare the config with what
-the output holds (`jobstate`: fresh, resume, or already complete; a different config is
-refused unless ``--overwrite``); count the inputs; write the plan; tokenize and pack on Ray
-(`scheduler`); commit with `packers.finalize_dataset` (index.arrow, then manifest.json last);
-print the summary and the dataset's stats. ``--demo`` packs `packshard.pipeline.demo`'s generated mix through the ``demo://`` input
-(generated inside the tasks that read it, so it works on any cluster) with the built-in
-tokenizer, at seq_len 32768 and cp 8 unless given.
+Steps: check this Python has the job's dependencies (`missing_environment`: find_spec only, so a
+job submitted to a head that runs another Python stops in one line naming it); check the
+output, the inputs and the tokenizer's source (`preflight`: no Ray, no transformers); load the
+tokenizer once on the driver, check that packshard renders its chat template exactly like
+`apply_chat_template`; compare the config with what the output holds (`jobstate`: fresh, resume,
+or already complete; a different config is refused naming ``--overwrite``). Every user error
+arrives before this point, within about a second for local files; only then does Ray start.
+Then count the inputs, write the plan, tokenize and pack on Ray (`scheduler`; the tokenizer
+travels to the workers through the object store), commit with `packers.finalize_dataset`
+(index.arrow, then manifest.json last) and print the summary and the dataset's stats. Nothing
+printed or logged holds a credential (`inputs.redact_text`). ``--demo`` packs
+`packshard.pipeline.demo`'s generated mix through the ``demo://`` input (generated inside the
+tasks that read it, so it works on any cluster) with the built-in tokenizer, at seq_len 32768
+and cp 8 unless given.
 
 Exit status: 0 done (or nothing to do), 1 the job failed (message names the record, file or
 shard), 2 bad flags, 130/143 stopped by SIGINT/SIGTERM (rerun the same command to resume).
