@@ -17,7 +17,14 @@ from packshard.packers.bins import (
     plan_bins,
     plan_rows,
 )
-from packshard.packers.format import FORMAT_VERSION, INDEX_SCHEMA, SHARD_SCHEMA, FormatError
+from packshard.packers.format import (
+    FORMAT_VERSION,
+    INDEX_SCHEMA,
+    SHARD_SCHEMA,
+    DatasetNotFoundError,
+    FormatError,
+    StorageError,
+)
 from packshard.packers.overlong import (
     OVERLONG_POLICIES,
     OverlongPolicy,
@@ -45,6 +52,7 @@ __all__ = [
     "SHARD_SCHEMA",
     "Algorithm",
     "CostModel",
+    "DatasetNotFoundError",
     "DatasetWriter",
     "FlatPlan",
     "FormatError",
@@ -54,6 +62,7 @@ __all__ = [
     "ShardDataset",
     "ShardEntry",
     "ShardRecord",
+    "StorageError",
     "apply_overlong",
     "build_rows",
     "finalize_dataset",

@@ -9,13 +9,22 @@ See docs/FORMAT.md for the public description. A dataset under one URL `OUT`:
 Checksums are written ``"<algorithm>:<hex digest>"`` over a file's bytes; readers understand
 ``xxh3_128`` (what we write: ~30 GB/s, so checksumming costs nothing next to the I/O) and
 ``sha256``.
+
+Errors: every problem a reader meets in a dataset is a `FormatError` naming the file (a
+`ValueError`, so one ``except FormatError`` covers them all): `DatasetNotFoundError` when there
+is no committed dataset at the URL (the path is missing, empty, holds an unfinished pack job or
+other files), `StorageError` when the storage fails under a read (an unreachable endpoint,
+refused credentials, a lost connection: the library's error is chained, its first line quoted).
+`storage_errors()` lists the storage libraries' own error classes that fsspec lets through.
 """
 
 from __future__ import annotations
 
 import hashlib
 import posixpath
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -65,8 +74,67 @@ INDEX_REQUIRED = (
 )
 
 
+JOB_DIR = "_packshard"  # where an unfinished pack job keeps its bookkeeping (pipeline.jobstate)
+
+
 class FormatError(ValueError):
     """A dataset breaks the shard format: missing, malformed, unknown version, bad checksum."""
+
+
+class DatasetNotFoundError(FormatError):
+    """No committed dataset at the URL: nothing there, an empty directory, an unfinished pack
+    job, or files that are not a packshard dataset."""
+
+
+class StorageError(FormatError):
+    """The storage failed while reading a dataset (unreachable, refused, interrupted)."""
+
+
+_LIBRARY_ERRORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("botocore.exceptions", ("BotoCoreError", "ClientError")),
+    ("aiohttp", ("ClientError",)),
+    ("google.auth.exceptions", ("GoogleAuthError",)),
+    ("httpx", ("HTTPError",)),
+    ("httpx2", ("HTTPError",)),
+)
+
+
+def library_errors() -> tuple[type[BaseException], ...]:
+    """Base error classes of the storage libraries imported in this process, which fsspec lets
+    through untranslated (s3fs botocore's, gcsfs google-auth's, the http filesystem aiohttp's,
+    the Hugging Face hub client its HTTP library's). A library not imported cannot have raised,
+    so nothing is imported here (the check costs no start-up time)."""
+    errors: list[type[BaseException]] = []
+    for module_name, names in _LIBRARY_ERRORS:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            errors += [
+                getattr(module, n) for n in names if isinstance(getattr(module, n, None), type)
+            ]
+    return tuple(errors)
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """OSError and `library_errors()`: what a failing store raises through fsspec."""
+    return (OSError, *library_errors())
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for a library error: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+@contextmanager
+def reading(where: str) -> Iterator[None]:
+    """Storage failures under the block as packshard errors naming `where`: a missing file is
+    a `FormatError` (the manifest names it), any other a `StorageError` (the cause chained)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise FormatError(f"{where}: missing (the manifest names it)") from None
+    except storage_errors() as e:
+        raise StorageError(f"{where}: the storage failed ({describe_error(e)})") from e
 
 
 def shard_name(number: int) -> str:

@@ -67,7 +67,7 @@ def test_round_trip_and_random_access(tmp_path):
 def test_reader_reads_only_needed_batches(tmp_path, monkeypatch):
     url, _, _ = _make(tmp_path)
     with ShardDataset.open(url) as ds:
-        reader = ds._reader(0)
+        reader = ds._file(0).reader
         calls = []
         orig = type(reader).get_batch
         monkeypatch.setattr(

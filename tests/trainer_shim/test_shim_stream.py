@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from packshard.packers import FormatError, ShardDataset
+from packshard.packers import DatasetNotFoundError, FormatError, ShardDataset
 from packshard.trainer_shim import PackedShardStream
 from packshard.trainer_shim.microbatch import build_microbatch
 from packshard.trainer_shim.synthetic import write_synthetic_dataset
@@ -177,7 +177,7 @@ def test_bad_configs_raise_at_construction(small_dataset: Path, kwargs, match):
 
 
 def test_not_a_dataset(tmp_path: Path):
-    with pytest.raises(FormatError, match=r"no manifest\.json"):
+    with pytest.raises(DatasetNotFoundError, match=r"is an empty directory: no packshard dataset"):
         PackedShardStream(str(tmp_path), dp_rank=0, dp_size=1, rows_per_step=1)
 
 
@@ -194,15 +194,15 @@ def test_cache_limit_below_a_shard(small_dataset: Path, tmp_path: Path):
 
 
 def test_indivisible_row_in_index_is_refused(tmp_path: Path):
-    # pad_multiple 2 claims cp=2 zigzag fails at the manifest check; a lying manifest is caught per row
+    # a manifest claiming pad_multiple 2 over rows padded to 1 is caught against index.arrow
     out = tmp_path / "odd"
     write_synthetic_dataset(str(out), lengths=[5, 7, 9], seq_len=16, pad_multiple=1)
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["config"]["pad_multiple"] = 2
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(
-        ValueError,
-        match=r"index.arrow: row \d+ .* has length \d+, not a multiple of 2 .*--pad-multiple 4",
+        FormatError,
+        match=r"odd/index.arrow: row \d+ has padded_len not a multiple of pad_multiple 2",
     ):
         PackedShardStream(str(out), dp_rank=0, dp_size=1, cp_size=2, cp_rank=0, rows_per_step=1)
 

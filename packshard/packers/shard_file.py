@@ -1,0 +1,383 @@
+"""One shard file read by rows: memory-mapped through pyarrow when local, by byte ranges when
+remote; either way checked against the manifest before a row comes out.
+
+`open_shard(fs, path, where, entry)` returns a `LocalShard` or a `RemoteShard`. Both give a
+record batch's list columns as numpy (`BatchArrays`: offsets and values, the loss mask as its
+bits), and `BatchArrays.row(i)` one row's (input_ids, loss_mask, doc_lens, sample_ids) as views,
+the mask unpacked (~2 µs a row at 8K tokens).
+
+Checks, each a `FormatError` naming the file: the schema is v1's; the record batches are as many
+as the manifest's `rows` and `rows_per_batch` need (all but the last exactly `rows_per_batch`
+rows; without `rows_per_batch` their lengths must sum to `rows`); a batch's offsets rise from 0
+inside its values and input_ids and loss_mask have the same row lengths. Row contents are
+checked against index.arrow's row checksums by the caller (`ShardDataset`).
+
+A `RemoteShard` reads a row's tokens and nothing else: per record batch, once, the message
+metadata and the small buffers (offsets, the loss-mask bits, doc_lens, sample_ids: ~3% of the
+batch at 8K tokens a row), then per row one range request of its input_ids. `fetch` takes many
+rows at once and merges ranges less than `MAX_GAP` apart (a request costs about what 1 MiB
+costs to transfer from object storage; Arrow's S3 reader merges on the same principle), so a
+window of rows dense in a batch costs one request, sparse rows one request each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+
+from packshard.packers import ipc
+from packshard.packers.format import (
+    SHARD_SCHEMA,
+    FormatError,
+    describe_error,
+    reading,
+)
+from packshard.packers.manifest import ShardEntry
+
+LIST_COLUMNS = ("input_ids", "loss_mask", "doc_lens", "sample_ids")
+_DTYPES = {"input_ids": np.int32, "doc_lens": np.int32, "sample_ids": np.int64}
+MAX_GAP = 1 << 20  # merge range requests closer than this
+MAX_RANGE = 32 << 20  # but do not grow one past this
+TAIL_READ = 64 << 10  # first guess at footer + tail bytes
+Row = tuple[
+    np.ndarray, np.ndarray, np.ndarray, np.ndarray
+]  # ids, mask (bool), doc_lens, sample_ids
+
+
+@dataclass
+class BatchArrays:
+    """A record batch's list columns as numpy; `ids` is None for a remote batch (its rows'
+    tokens are fetched by range)."""
+
+    length: int
+    ids_off: np.ndarray
+    ids: np.ndarray | None
+    mask_off: np.ndarray
+    mask_bits: np.ndarray
+    mask_bit0: int
+    doc_off: np.ndarray
+    docs: np.ndarray
+    sid_off: np.ndarray
+    sids: np.ndarray
+    ids_at: int = -1  # a remote batch: where its input_ids values start in the file
+
+    def check(self, where: str) -> None:
+        for name, off, n in (
+            ("input_ids", self.ids_off, None if self.ids is None else self.ids.size),
+            ("loss_mask", self.mask_off, self.mask_bits.size * 8 - self.mask_bit0),
+            ("doc_lens", self.doc_off, self.docs.size),
+            ("sample_ids", self.sid_off, self.sids.size),
+        ):
+            if off.size != self.length + 1 or off[0] < 0 or (np.diff(off) < 0).any():
+                raise FormatError(f"{where}: {name} offsets are not ascending from 0")
+            if n is not None and off[-1] > n:
+                raise FormatError(f"{where}: {name} offsets pass the end of its values")
+        if not np.array_equal(np.diff(self.ids_off), np.diff(self.mask_off)):
+            raise FormatError(f"{where}: loss_mask and input_ids rows differ in length")
+
+    def row(self, i: int, ids: np.ndarray | None = None) -> Row:
+        """Row i of the batch (`ids`: its tokens, for a remote batch)."""
+        if ids is None:
+            assert self.ids is not None
+            ids = self.ids[self.ids_off[i] : self.ids_off[i + 1]]
+        a = int(self.mask_off[i]) + self.mask_bit0
+        n = int(self.mask_off[i + 1]) + self.mask_bit0 - a
+        bits = np.unpackbits(self.mask_bits[a >> 3 : (a + n + 7) >> 3], bitorder="little")
+        mask = bits[a & 7 : (a & 7) + n].view(np.bool_)
+        docs = self.docs[self.doc_off[i] : self.doc_off[i + 1]]
+        return ids, mask, docs, self.sids[self.sid_off[i] : self.sid_off[i + 1]]
+
+
+def _expected_starts(entry: ShardEntry, num_batches: int, where: str) -> np.ndarray | None:
+    """Row starts of the batches as the manifest's rows and rows_per_batch give them (None when
+    rows_per_batch is not recorded)."""
+    per = entry.rows_per_batch
+    if not per:
+        return None
+    need = math.ceil(entry.rows / per)
+    if num_batches != need:
+        raise FormatError(
+            f"{where}: holds {num_batches} record batches, but the manifest's rows={entry.rows} and "
+            f"rows_per_batch={per} need {need}"
+        )
+    return np.minimum(np.arange(need + 1, dtype=np.int64) * per, entry.rows)
+
+
+def _starts_from_lengths(lengths: list[int], entry: ShardEntry, where: str) -> np.ndarray:
+    if sum(lengths) != entry.rows:
+        raise FormatError(f"{where}: holds {sum(lengths)} rows, the manifest says {entry.rows}")
+    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+
+
+class _Shard:
+    where: str
+    starts: np.ndarray
+
+    @property
+    def num_batches(self) -> int:
+        return self.starts.size - 1
+
+    def batch_of(self, rows: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.starts, rows, side="right") - 1
+
+    def check_length(self, b: int, length: int) -> None:
+        want = int(self.starts[b + 1] - self.starts[b])
+        if length != want:
+            raise FormatError(
+                f"{self.where}: record batch {b} holds {length} rows; the manifest's rows and "
+                f"rows_per_batch put {want} there"
+            )
+
+
+class LocalShard(_Shard):
+    """A memory-mapped local shard (pyarrow's IPC reader, zero-copy batches)."""
+
+    def __init__(self, path: str, where: str, entry: ShardEntry) -> None:
+        self.where = where
+        try:
+            self.file = pa.memory_map(path)
+        except FileNotFoundError:
+            raise FormatError(f"{where}: missing (the manifest names it)") from None
+        except OSError as e:
+            raise FormatError(f"{where}: cannot be opened ({describe_error(e)})") from None
+        try:
+            self.reader = pa.ipc.open_file(self.file)
+        except (pa.ArrowException, OSError) as e:
+            self.file.close()
+            raise FormatError(
+                f"{where}: not a readable Arrow IPC file ({describe_error(e)})"
+            ) from None
+        if not self.reader.schema.equals(SHARD_SCHEMA):
+            self.file.close()
+            raise FormatError(f"{where}: schema differs from shard format v1")
+        n = self.reader.num_record_batches
+        starts = _expected_starts(entry, n, where)
+        if starts is None:
+            starts = _starts_from_lengths([self.record_batch(b, check=False).num_rows for b in range(n)], entry, where)  # fmt: skip
+        self.starts = starts
+
+    def record_batch(self, b: int, *, check: bool = True) -> pa.RecordBatch:
+        try:
+            batch = self.reader.get_batch(b)
+        except (pa.ArrowException, OSError, IndexError) as e:
+            raise FormatError(
+                f"{self.where}: record batch {b} is unreadable ({describe_error(e)})"
+            ) from None
+        if check:
+            self.check_length(b, batch.num_rows)
+        return batch
+
+    def arrays(self, b: int) -> BatchArrays:
+        batch = self.record_batch(b)
+        parts = {n: _list_buffers(batch.column(n), self.where) for n in LIST_COLUMNS}
+        (ids_off, ids, _), (mask_off, bits, bit0), (doc_off, docs, _), (sid_off, sids, _) = (
+            parts[n] for n in LIST_COLUMNS
+        )
+        out = BatchArrays(batch.num_rows, ids_off, ids, mask_off, bits, bit0, doc_off, docs, sid_off, sids)  # fmt: skip
+        out.check(f"{self.where}: record batch {b}")
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _list_buffers(arr: pa.ListArray, where: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """(offsets, values, first bit) of a list column from its buffers, without pyarrow's
+    to_numpy (which imports pandas on first use). For list<bool>, values are the bit bytes."""
+    if arr.null_count:
+        raise FormatError(f"{where}: a list column holds nulls")
+    bufs = arr.buffers()
+    off = np.frombuffer(bufs[1], np.int32, count=len(arr) + 1, offset=arr.offset * 4).astype(
+        np.int64
+    )
+    child = arr.values
+    if pa.types.is_boolean(child.type):
+        return off, np.frombuffer(bufs[3], np.uint8), child.offset
+    dtype = np.dtype(child.type.to_pandas_dtype())
+    values = np.frombuffer(bufs[3], dtype, count=len(child), offset=child.offset * dtype.itemsize)
+    return off, values, 0
+
+
+class RemoteShard(_Shard):
+    """A shard on object storage, read by byte ranges (see the module docstring)."""
+
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, path: str, where: str, entry: ShardEntry
+    ) -> None:
+        self.fs, self.path, self.where = fs, path, where
+        with reading(where):
+            size = int(fs.size(path))
+        if size != entry.bytes:
+            raise FormatError(f"{where}: {size} bytes, the manifest says {entry.bytes}")
+        self.size = size
+        try:
+            head, tail = self.read([(0, min(size, 4096)), (max(0, size - TAIL_READ), size)])
+            n = ipc.footer_length(tail, size)
+            if n + ipc.TAIL > len(tail):
+                tail = self.read([(size - n - ipc.TAIL, size)])[0]
+            footer = tail[len(tail) - n - ipc.TAIL : len(tail) - ipc.TAIL]
+            self.blocks = ipc.read_footer(footer, size)
+            self._check_schema(head)
+        except ipc.IpcLayoutError as e:
+            raise FormatError(f"{where}: not a readable Arrow IPC file ({e})") from None
+        starts = _expected_starts(entry, len(self.blocks), where)
+        if starts is None:
+            lengths = [lay.length for lay in self._layouts(list(range(len(self.blocks))))]
+            starts = _starts_from_lengths(lengths, entry, where)
+        self.starts = starts
+
+    def read(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each [start, end) range, requested concurrently."""
+        if not ranges:
+            return []
+        with reading(self.where):
+            out = self.fs.cat_ranges(
+                [self.path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
+                on_error="raise",
+            )  # fmt: skip
+        for (a, b), data in zip(ranges, out, strict=True):
+            if len(data) != b - a:
+                raise FormatError(f"{self.where}: bytes {a}..{b} came back as {len(data)} bytes")
+        return out
+
+    def _check_schema(self, head: bytes) -> None:
+        """The schema message that opens the file: magic, 2 bytes of padding, the message."""
+        if len(head) < 16 or head[:6] != ipc.MAGIC:
+            raise ipc.IpcLayoutError("the file does not start with the Arrow IPC magic")
+        continued = head[8:12] == b"\xff\xff\xff\xff"
+        need = (16 if continued else 12) + int.from_bytes(head[12:16] if continued else head[8:12], "little", signed=True)  # fmt: skip
+        if not 16 < need <= self.size:
+            raise ipc.IpcLayoutError("the schema message does not fit the file")
+        if need > len(head):
+            head = self.read([(0, need)])[0]
+        try:
+            schema = pa.ipc.read_schema(pa.py_buffer(head[8:need]))
+        except (pa.ArrowException, OSError) as e:
+            raise ipc.IpcLayoutError(f"unreadable schema ({describe_error(e)})") from None
+        if not schema.equals(SHARD_SCHEMA):
+            raise FormatError(f"{self.where}: schema differs from shard format v1")
+
+    def _layouts(self, batches: list[int]) -> list[ipc.BatchLayout]:
+        blocks = [self.blocks[b] for b in batches]
+        heads = self.read([(k.offset, k.body_offset) for k in blocks])
+        try:
+            return [
+                ipc.parse_batch(ipc.message_flatbuffer(h, k.metadata_length), k.body_length)
+                for h, k in zip(heads, blocks, strict=True)
+            ]
+        except ipc.IpcLayoutError as e:
+            raise FormatError(
+                f"{self.where}: a record batch's metadata is unreadable ({e})"
+            ) from None
+
+    def arrays_many(self, batches: list[int]) -> list[BatchArrays]:
+        """These batches' metadata and small buffers: two rounds of concurrent requests."""
+        layouts = self._layouts(batches)
+        ranges = []
+        for b, lay in zip(batches, layouts, strict=True):
+            self._check_layout(b, lay)
+            body = self.blocks[b].body_offset
+            (ids_off_at, ids_off_len), tail_at = lay.buffers[1], lay.buffers[4][0]
+            ranges += [(body + ids_off_at, body + ids_off_at + ids_off_len), (body + tail_at, body + lay.body_length)]  # fmt: skip
+        data = self.read(ranges)
+        return [
+            self._arrays(b, lay, data[2 * i], data[2 * i + 1])
+            for i, (b, lay) in enumerate(zip(batches, layouts, strict=True))
+        ]
+
+    def _arrays(self, b: int, lay: ipc.BatchLayout, ids_off: bytes, tail: bytes) -> BatchArrays:
+        n, base = lay.length, lay.buffers[4][0]
+
+        def buf(k: int, dtype: Any, count: int) -> np.ndarray:
+            return np.frombuffer(tail, dtype, count=count, offset=lay.buffers[k][0] - base)
+
+        def offsets(k: int) -> np.ndarray:
+            return buf(k, np.int32, n + 1).astype(np.int64)
+
+        arrays = BatchArrays(
+            n, np.frombuffer(ids_off, np.int32, count=n + 1).astype(np.int64), None,
+            offsets(5), buf(7, np.uint8, (lay.nodes[3][0] + 7) // 8), 0,
+            offsets(9), buf(11, np.int32, lay.nodes[5][0]),
+            offsets(13), buf(15, np.int64, lay.nodes[7][0]),
+            ids_at=self.blocks[b].body_offset + lay.buffers[3][0],
+        )  # fmt: skip
+        arrays.check(f"{self.where}: record batch {b}")
+        if arrays.ids_off[-1] > lay.nodes[1][0]:
+            raise FormatError(f"{self.where}: record batch {b}: input_ids offsets pass its values")
+        return arrays
+
+    def _check_layout(self, b: int, lay: ipc.BatchLayout) -> None:
+        self.check_length(b, lay.length)
+        n, nodes, bufs = lay.length, lay.nodes, lay.buffers
+        if len(nodes) != 10 or len(bufs) != 20 or any(nulls for _, nulls in nodes):
+            raise FormatError(
+                f"{self.where}: record batch {b} does not hold shard format v1's columns"
+            )
+        if any(nodes[k][0] != n for k in (0, 2, 4, 6, 8, 9)) or nodes[1][0] != nodes[3][0]:
+            raise FormatError(f"{self.where}: record batch {b}: its columns' lengths disagree")
+        sizes = {1: 4 * (n + 1), 3: 4 * nodes[1][0], 5: 4 * (n + 1), 7: (nodes[3][0] + 7) // 8,
+                 9: 4 * (n + 1), 11: 4 * nodes[5][0], 13: 4 * (n + 1), 15: 8 * nodes[7][0]}  # fmt: skip
+        small = any(bufs[k][1] < size for k, size in sizes.items())
+        if small or bufs[4][0] < bufs[3][0] + bufs[3][1]:
+            raise FormatError(f"{self.where}: record batch {b}: buffers smaller than their columns")
+
+    def fetch_ids(self, wanted: list[tuple[BatchArrays, int]]) -> list[np.ndarray]:
+        """input_ids of each (batch arrays, row in the batch), by merged range requests."""
+        spans = []
+        for arrays, i in wanted:
+            start = arrays.ids_at + 4 * int(arrays.ids_off[i])
+            spans.append((start, arrays.ids_at + 4 * int(arrays.ids_off[i + 1])))
+        order = sorted(range(len(spans)), key=spans.__getitem__)
+        merged: list[list[int]] = []
+        for k in order:
+            a, e = spans[k]
+            last = merged[-1] if merged else None
+            if last and a - last[1] <= MAX_GAP and max(e, last[1]) - last[0] <= MAX_RANGE:
+                last[1] = max(last[1], e)
+            else:
+                merged.append([a, e])
+        data = self.read([(a, e) for a, e in merged])
+        out: list[np.ndarray] = [np.empty(0, np.int32)] * len(spans)
+        j = 0
+        for k in order:
+            a, e = spans[k]
+            while not (merged[j][0] <= a and e <= merged[j][1]):
+                j += 1
+            out[k] = np.frombuffer(data[j], np.int32, count=(e - a) // 4, offset=a - merged[j][0])
+        return out
+
+    def close(self) -> None:
+        """Nothing stays open between requests."""
+
+
+def batches_from_bytes(data: bytes, entry: ShardEntry, where: str) -> list[pa.RecordBatch]:
+    """Every record batch of a whole shard held in memory (`packshard verify`), each fully
+    validated by Arrow (offsets inside their values, no nulls) and its length checked against
+    the manifest's rows and rows_per_batch; FormatError naming `where`."""
+    try:
+        reader = pa.ipc.open_file(pa.BufferReader(data))
+        if not reader.schema.equals(SHARD_SCHEMA):
+            raise FormatError(f"{where}: schema differs from shard format v1")
+        batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
+        for b, batch in enumerate(batches):
+            batch.validate(full=True)
+            if any(col.null_count for col in batch.columns):
+                raise FormatError(f"{where}: record batch {b} holds nulls")
+    except (pa.ArrowException, OSError) as e:
+        raise FormatError(f"{where}: not a readable Arrow IPC file ({describe_error(e)})") from None
+    starts = _expected_starts(entry, len(batches), where)
+    if starts is None:
+        _starts_from_lengths([b.num_rows for b in batches], entry, where)
+    else:
+        for b, batch in enumerate(batches):
+            if batch.num_rows != starts[b + 1] - starts[b]:
+                raise FormatError(
+                    f"{where}: record batch {b} holds {batch.num_rows} rows; the manifest's rows and "
+                    f"rows_per_batch put {int(starts[b + 1] - starts[b])} there"
+                )
+    return batches
