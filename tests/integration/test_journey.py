@@ -1,21 +1,31 @@
-"""The newcomer's journey, as the README tells it, from a clean virtual environment:
+"""The newcomer's journey, run exactly as README.md and docs/OPERATIONS.md print it.
 
-1. `make install` into a fresh venv (what `make demo` / `make test` do first);
-2. pack the real shared chat + GSM8K data with the Qwen2.5 tokenizer through
-   `ray job submit --working-dir .` to a local Ray head this test starts (own ports, own
-   temp dir, stopped by its pid);
-3. `packshard stats --plot` and `packshard verify` on the result;
-4. `torchrun --nproc-per-node 2 examples/train_tiny.py` for a few steps on it, and check that
-   the meter's trained-token count equals the true tokens of the rows the ranks consumed
-   (read from index.arrow).
+The commands are read from the documents' fenced ``bash`` blocks (so they cannot drift) and run
+verbatim by bash in a copy of the checkout (its tracked and untracked, not ignored, files):
+
+1. README's ``make demo`` line: a fresh ``.venv``, packshard installed, the demo packed;
+2. docs/OPERATIONS.md's head block: the venv activated, token authentication on (Ray 2.60), and
+   ``ray start --head`` on the default ports (the test skips when another process holds them);
+3. README's "Use it" block: a laptop pack of ``data/*.jsonl.zst``, ``export RAY_AUTH_MODE=token``,
+   ``ray job submit --address ... --working-dir .`` of the same pack from ``s3://bucket/raw/`` to
+   ``s3://bucket/packed/run1/``, then ``packshard stats --plot`` and ``packshard verify`` on it;
+4. README's ``torchrun ... examples/train_tiny.py --data DIR --cp 2`` line (DIR: a 4096-token
+   pack, as 131072-token rows do not fit a CPU attention; a free ``--master-port``) for 3 steps,
+   checking that the meter's trained tokens are the true tokens of the rows the ranks consumed.
+
+What the documents leave to the machine is the environment, set here as a cluster would have it:
+a private HOME (its ``~/.ray/auth_token``, and a Hugging Face cache holding ``Qwen/Qwen3-8B``'s
+tokenizer: the shared Qwen3 files, with ``HF_HUB_OFFLINE=1``), ``AWS_ENDPOINT_URL`` pointing at
+the moto S3 server with a bucket named ``bucket``, the inputs under ``data/`` and in the bucket,
+and ``RAY_TMPDIR`` (every process of the head is stopped by pid through it at the end).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import signal
+import re
+import shutil
 import socket
 import subprocess
 import time
@@ -25,115 +35,196 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tests.integration._procs import REPO, pack_env, ray_tmpdir, start
+from tests.integration._procs import REPO, ray_tmpdir
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.shared]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.shared, pytest.mark.s3]
+
+CHATS = ("glaive_toolcall_en_demo.messages.jsonl", "oasst_en_100_threads.messages.jsonl")
+QWEN_COMMIT = "0" * 40  # the cache's commit of Qwen/Qwen3-8B
+DASHBOARD = "http://127.0.0.1:8265"
 
 
-def _free_port() -> int:
+def bash_blocks(markdown: str) -> list[str]:
+    """The fenced ```bash blocks of a Markdown document, in order."""
+    return re.findall(r"^```bash\n(.*?)^```", markdown, flags=re.S | re.M)
+
+
+def the_block(path: Path, needle: str) -> str:
+    blocks = [b for b in bash_blocks(path.read_text()) if needle in b]
+    assert len(blocks) == 1, f"{path.name}: {len(blocks)} bash blocks contain {needle!r}"
+    return blocks[0]
+
+
+def _run(
+    cmd: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, (
+        f"{' '.join(cmd)[:300]} failed ({r.returncode}):\n{r.stdout[-5000:]}\n{r.stderr[-5000:]}"
+    )
+    return r
+
+
+def run_block(script: str, cwd: Path, env: dict[str, str], timeout: float) -> str:
+    """Run a documented block verbatim, as a user pasting it in a shell (stop at the first error)."""
+    r = _run(["bash", "-e", "-x", "-c", script], cwd, env, timeout)
+    return r.stdout + r.stderr
+
+
+def copy_checkout(dest: Path) -> Path:
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (f.decode() for f in files)):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def hf_cache_with_qwen3(home: Path, tokenizer_dir: Path) -> None:
+    """~/.cache/huggingface as a download of Qwen/Qwen3-8B's tokenizer would leave it."""
+    repo = home / ".cache" / "huggingface" / "hub" / "models--Qwen--Qwen3-8B"
+    snapshot = repo / "snapshots" / QWEN_COMMIT
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(QWEN_COMMIT)
+    for f in tokenizer_dir.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _run(
-    cmd: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO
-) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, (
-        f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    )
-    return r
+def port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.fixture(scope="module")
-def clean_venv(tmp_path_factory) -> Path:
-    """A brand-new venv made by the README's set-up (the Makefile's install step)."""
-    venv = tmp_path_factory.mktemp("journey") / "venv"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME"))}
-    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if ".venv" not in p)
-    _run(["make", "install", f"VENV={venv}"], env, timeout=1500)
-    return venv / "bin"
-
-
-def test_newcomer_journey(clean_venv: Path, shared_data: Path, tmp_path: Path):
-    bin_ = clean_venv
-    out = tmp_path / "sft"
-    with ray_tmpdir() as rt:
-        env = pack_env(rt, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-        env["PATH"] = f"{bin_}{os.pathsep}{env['PATH']}"
-        dash = _free_port()
-        head = start(
-            [str(bin_ / "ray"), "start", "--head", "--block", "--port", str(_free_port()),
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard", "true",
-             "--num-cpus", "2", "--temp-dir", rt, "--disable-usage-stats"],
-            env,
-            tmp_path / "head.log",
+def wait_for_jobs_api(venv_bin: Path, cwd: Path, env: dict[str, str], head_log: str) -> None:
+    """Until the head accepts a job (its job agent registers a little after `ray start`)."""
+    deadline = time.monotonic() + 300
+    while True:
+        r = subprocess.run(
+            [str(venv_bin / "ray"), "job", "submit", "--address", DASHBOARD, "--no-wait", "--", "true"],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-        address = f"http://127.0.0.1:{dash}"
-        try:
-            deadline = time.monotonic() + 240
-            while subprocess.run(
-                [str(bin_ / "ray"), "job", "list", "--address", address],
-                env=env,
-                capture_output=True,
-                timeout=60,
-            ).returncode:
-                assert head.poll() is None and time.monotonic() < deadline, (
-                    tmp_path / "head.log"
-                ).read_text()[-3000:]
-                time.sleep(1)
-            # 2. pack through `ray job submit --working-dir .`
-            chat = shared_data / "chat"
-            submit = _run(
-                [str(bin_ / "ray"), "job", "submit", "--address", address, "--working-dir", ".", "--",
-                 "python", "-m", "packshard.pipeline.pack",
-                 "--input", str(chat / "oasst_en_100_threads.messages.jsonl"),
-                 "--input", str(chat / "glaive_toolcall_en_demo.messages.jsonl"),
-                 "--input", str(shared_data / "gsm8k" / "test.jsonl"),
-                 "--columns", "prompt=question,completion=answer",
-                 "--output", str(out), "--tokenizer", str(shared_data / "tokenizers" / "qwen2.5-instruct"),
-                 "--seq-len", "4096", "--cp", "2", "--no-progress"],
-                env,
-                timeout=900,
-            )  # fmt: skip
-            assert "Job 'raysubmit_" in submit.stdout and "succeeded" in submit.stdout, (
-                submit.stdout[-3000:]
-            )
-        finally:
-            head.send_signal(signal.SIGTERM)
-            try:
-                head.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                head.kill()
+        if r.returncode == 0:
+            return
+        assert time.monotonic() < deadline, f"{r.stderr[-2000:]}\n{head_log[-2000:]}"
+        time.sleep(2)
 
-    # 3. stats --plot and verify
-    png = tmp_path / "sft.png"
-    stats = _run([str(bin_ / "packshard"), "stats", str(out), "--plot", str(png)], env, timeout=300)
-    assert "padding every row to seq_len would waste" in stats.stdout
-    assert png.read_bytes()[:4] == b"\x89PNG"
-    verify = _run([str(bin_ / "packshard"), "verify", str(out), "--quiet"], env, timeout=600)
-    assert "verify: OK" in verify.stdout
-    manifest = json.loads((out / "manifest.json").read_text())
-    totals = manifest["totals"]
-    assert totals["samples_in"] == 400 + 300 + 1319  # the three files' records
-    assert totals["samples_kept"] + sum(totals["dropped"].values()) == totals["samples_in"]
 
-    # 4. two processes train a few steps from it; the meter's count is the rows' true tokens
+def test_newcomer_journey(shared_data: Path, s3_server, tmp_path: Path):
+    import boto3
+    import fsspec
+    import zstandard
+
+    readme, operations = REPO / "README.md", REPO / "docs" / "OPERATIONS.md"
+    install = [
+        line for line in the_block(readme, "make demo").splitlines() if line.startswith("make demo")
+    ]
+    head_block = the_block(operations, "ray start --head")
+    use_block = the_block(readme, "ray job submit")
+    torchrun = re.search(
+        r"`(torchrun [^`]*examples/train_tiny\.py[^`]*)`", readme.read_text(), re.S
+    )
+    assert len(install) == 1 and torchrun, "README lost its `make demo` line or its torchrun line"
+    if port_taken(6379) or port_taken(8265):
+        pytest.skip("another Ray head holds the default ports 6379/8265 that the documents use")
+
+    # 1. README: `make demo` in a copy of the checkout, from a shell without any venv
+    work = copy_checkout(tmp_path / "packshard")
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VIRTUAL_ENV", "PYTHONHOME", "RAY_"))
+    }
+    base["PATH"] = os.pathsep.join(p for p in base["PATH"].split(os.pathsep) if ".venv" not in p)
+    with ray_tmpdir() as rt:
+        out = run_block(install[0], work, {**base, "RAY_TMPDIR": rt}, timeout=1800)
+    assert "packshard pack: committed demo_out" in out, out[-3000:]
+    venv_bin = work / ".venv" / "bin"
+
+    # the machine: a private HOME (Ray's token, the HF cache), S3 with its endpoint, the inputs
+    home = tmp_path / "home"
+    hf_cache_with_qwen3(home, shared_data / "tokenizers" / "qwen3")
+    (work / "data").mkdir()
+    s3 = boto3.client("s3", endpoint_url=s3_server["endpoint_url"])
+    if "bucket" not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
+        s3.create_bucket(Bucket="bucket")
+    fs = fsspec.filesystem("s3", **s3_server["storage_options"])
+    if fs.exists("bucket/packed"):
+        fs.rm("bucket/packed", recursive=True)
+    for name in CHATS:
+        raw = (shared_data / "chat" / name).read_bytes()
+        (work / "data" / f"{name}.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+        fs.pipe(f"bucket/raw/{name}", raw)
+    with ray_tmpdir() as rt:
+        env = {
+            **base, "HOME": str(home), "RAY_TMPDIR": rt, "HF_HUB_OFFLINE": "1",
+            "AWS_ENDPOINT_URL": s3_server["endpoint_url"], "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+        }  # fmt: skip
+        # 2. OPERATIONS.md: the head, from the activated venv, with a token
+        head_log = run_block(head_block, work, env, timeout=300)
+        assert (home / ".ray" / "auth_token").is_file()
+        active = {**env, "PATH": f"{venv_bin}{os.pathsep}{env['PATH']}", "RAY_AUTH_MODE": "token"}
+        wait_for_jobs_api(venv_bin, work, active, head_log)
+        # 3. README: pack on the laptop, submit the same pack to the cluster, stats, verify
+        user = {
+            **env,
+            "PATH": active["PATH"],
+        }  # packshard installed; RAY_AUTH_MODE as the block sets it
+        out = run_block(use_block, work, user, timeout=1800)
+    assert re.search(r"Job 'raysubmit_\w+' succeeded", out), out[-4000:]
+    assert (
+        "padding every row to seq_len would waste" in out
+        and "verify: OK s3://bucket/packed/run1/" in out
+    )
+    assert (work / "lengths.png").read_bytes()[:4] == b"\x89PNG"
+
+    laptop = json.loads((work / "packed" / "run1" / "manifest.json").read_text())
+    cluster = json.loads(fs.cat("bucket/packed/run1/manifest.json"))
+    for m in (laptop, cluster):
+        assert m["config"]["pad_multiple"] == 16  # --cp 8 --cp-layout zigzag: what zigzag CP needs
+        assert {k: v for k, v in m["config"]["tokenizer"].items() if k != "fingerprint"} == {
+            "name": "Qwen/Qwen3-8B", "source": "hub", "revision": QWEN_COMMIT,
+        }  # fmt: skip
+        assert m["totals"]["samples_in"] == 300 + 400
+    # the same records and config: the laptop's and the cluster's shards are the same bytes
+    assert [s["checksum"] for s in laptop["shards"]] == [s["checksum"] for s in cluster["shards"]]
+    assert [i["url"] for i in cluster["config"]["inputs"]] == [
+        f"s3://bucket/raw/{n}" for n in CHATS
+    ]
+
+    # 4. README's torchrun line on a 4096-token pack: the meter counts the rows' true tokens
+    small = tmp_path / "small"
+    with ray_tmpdir() as rt:
+        _run(
+            [str(venv_bin / "packshard"), "pack", "--input", str(work / "data"), "--output", str(small),
+             "--tokenizer", "Qwen/Qwen3-8B", "--seq-len", "4096", "--cp", "2", "--no-progress"],
+            work, {**env, "RAY_TMPDIR": rt, "PATH": active["PATH"]}, timeout=900,
+        )  # fmt: skip
     report = tmp_path / "report"
-    train_env = dict(env)
-    train_env.pop("RAY_ADDRESS", None)
-    _run(
-        [str(bin_ / "torchrun"), "--nproc-per-node", "2", "--master-port", str(_free_port()),
-         "examples/train_tiny.py", "--data", str(out), "--cp", "1", "--rows-per-step", "4", "--steps", "3",
-         "--report", str(report)],
-        train_env,
-        timeout=600,
-    )  # fmt: skip
-    ranks = [json.loads(Path(f"{report}.rank{r}.json").read_text()) for r in range(2)]
-    rows = [row for rank in ranks for row in rank["rows"] if row >= 0]
-    assert len(rows) == 3 * 4 and len(set(rows)) == len(rows), rows
-    with pa.ipc.open_file(out / "index.arrow") as f:
+    line = torchrun.group(1).replace("\n", " ").replace("DIR", str(small))
+    # a free rendezvous port (torchrun's default, 29500, may be another test's on a shared box)
+    train = [*line.split(), "--steps", "3", "--rows-per-step", "4", "--report", str(report)]
+    train[1:1] = ["--master-port", str(free_port())]
+    _run(train, work, {**base, "PATH": active["PATH"]}, timeout=900)
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("report.rank*.json"))]
+    assert len(ranks) == int(re.search(r"--nproc-per-node (\d+)", line).group(1))
+    rows = {row for rank in ranks for row in rank["rows"] if row >= 0}
+    assert len(rows) == 3 * 4, rows
+    with pa.ipc.open_file(small / "index.arrow") as f:
         num_tokens = f.read_all().column("num_tokens").to_numpy().astype(np.int64)
-    assert ranks[0]["steps"] == 3
-    assert ranks[0]["trained_tokens"] == int(num_tokens[rows].sum())
+    meter = next(r for r in ranks if "trained_tokens" in r)
+    assert meter["steps"] == 3 and meter["trained_tokens"] == int(num_tokens[sorted(rows)].sum())
