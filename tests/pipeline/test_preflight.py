@@ -182,3 +182,27 @@ def test_bad_flag_values_exit_2(tmp_path: Path, good: Path):
     assert rc == 2 and "is not a multiple of --pad-multiple 2" in err
     rc, err = pack(*args(good, tmp_path / "out", "--pad-multiple", "3", "--cp-layout", "zigzag"))
     assert rc == 2 and "--pad-multiple 3 does not suit --cp 2 --cp-layout zigzag" in err
+
+
+def test_a_resume_reads_the_files_listed_now_with_the_plans_counts():
+    """The plan holds redacted URLs; a resume reads the URLs given now (credentials and a
+    renewed signature included) with the record counts and seek points of the plan."""
+    from packshard.pipeline.inputs import InputFile
+    from packshard.pipeline.jobstate import OutputError
+    from packshard.pipeline.pack import resumed_files
+
+    now = [InputFile("http://u:SECRET@h/a.jsonl?sig=NEW", "jsonl", size=10, version="e")]
+    planned = InputFile(
+        "http://u:SECRET@h/a.jsonl?sig=OLD",
+        "jsonl",
+        size=10,
+        version="e",
+        records=3,
+        checkpoints=((0, 1),),
+    )
+    plan = {"inputs": [planned.to_json()]}
+    assert plan["inputs"][0]["url"] == "http://h/a.jsonl"  # what the job state holds
+    [f] = resumed_files(now, plan)
+    assert f.url == now[0].url and f.records == 3 and f.checkpoints == ((0, 1),)
+    with pytest.raises(OutputError, match="other input files"):
+        resumed_files([InputFile("http://h/b.jsonl", "jsonl")], plan)
