@@ -18,10 +18,11 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # configurations bitwise would then compare BLAS kernels instead of ours: they fail on AMD EPYC
 # and pass on Intel. OpenBLAS's Prescott kernel (SSE3, on every x86-64 CPU) sums each dot in one
 # order whatever the shapes. OpenBLAS reads the variable when it loads, so it is set here, before
-# anything imports numpy, and overrides the environment's choice; subprocesses inherit it.
-if platform.machine() in ("x86_64", "AMD64"):
-    if "numpy" in sys.modules:
-        raise RuntimeError("numpy was imported before tests/conftest.py could pin OpenBLAS's kernel")
+# anything imports numpy, and overrides the environment's choice; subprocesses inherit it. Only the
+# interpreter needs it: on a GPU the kernels run compiled (a plugin there may import numpy first).
+_X86 = platform.machine() in ("x86_64", "AMD64")
+_BLAS_PINNED = _X86 and "numpy" not in sys.modules
+if _BLAS_PINNED:
     os.environ["OPENBLAS_CORETYPE"] = "Prescott"
 
 
@@ -40,6 +41,12 @@ def _has_cuda() -> bool:
 # interpreter; on a GPU machine the same tests run the compiled kernels.
 if not _has_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
+    if _X86 and not _BLAS_PINNED and os.environ.get("OPENBLAS_CORETYPE") != "Prescott":
+        raise RuntimeError(
+            "numpy was imported before tests/conftest.py could pin OpenBLAS's kernel, which the "
+            "Triton interpreter's bitwise kernel tests need: run pytest without the plugin that "
+            "imports numpy, or with OPENBLAS_CORETYPE=Prescott set"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
