@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import command_line, machine_description, markdown_table, record_result
+from benchmarks._results import markdown_table, record_saved_result, run_stamp
 from packshard.kernels import FIXED_CONFIG, IndexerConfig, TopkConfig
 from packshard.kernels.hf import FAMILIES, use_packshard_indexer
 
@@ -447,8 +446,7 @@ def render(results: list[dict], meta: dict) -> str:
     body = [
         f"One `GlmMoeDsaIndexer` (H={results[0]['heads']}, D={results[0]['head_dim']}, "
         f"topk={results[0]['topk']}, {meta['dtype']}), one packed row of six documents; medians "
-        f"of {meta['reps']} runs ({meta['clock']}) after {meta['warmup']} warm-up runs. "
-        f"Load at start: {meta['load']}.",
+        f"of {meta['reps']} runs ({meta['clock']}) after {meta['warmup']} warm-up runs.",
         "",
         markdown_table(
             ["tokens", "docs", "own forward ms", "best own ms (setting)", "ours ms", "best / ours"],
@@ -469,12 +467,9 @@ def render(results: list[dict], meta: dict) -> str:
 
 
 def append_results(path: Path) -> str:
-    """Record a run's saved JSON (`--out` of a GPU run) as this benchmark's RESULTS.md section."""
-    data = json.loads(path.read_text())
-    record_result(
-        BENCH, TITLE, data["markdown"], data=data, command=data["command"], machine=data["machine"]
-    )
-    return data["markdown"]
+    """Record a run's saved JSON (`--out` of a GPU run) as this benchmark's RESULTS.md section,
+    with that run's own date, machine and load."""
+    return record_saved_result(path, BENCH, TITLE, f"{BENCH}.json from `{BENCH}.py --out`")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -504,7 +499,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     meta = dict(
         reps=opts.reps, warmup=opts.warmup, dtype=str(dtype).removeprefix("torch."),
         clock="CUDA events" if cuda else "host clock, Triton interpreter",
-        load=" / ".join(f"{x:.2f}" for x in os.getloadavg()),
     )  # fmt: skip
     results = []
     for s in sizes:
@@ -512,10 +506,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         results.append(bench_size(s, indexer, rotary, opts, cfg))
         indexer.load_state_dict(state)  # the exact check rewrote the projections
     body = render(results, meta)
-    data = dict(
-        results=results, markdown=body, command=command_line(), machine=machine_description(),
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **meta,
-    )  # fmt: skip
+    data = dict(results=results, markdown=body, **run_stamp(), **meta)
     print(body)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
