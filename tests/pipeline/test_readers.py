@@ -199,3 +199,35 @@ def test_a_bare_hub_name_goes_to_the_hub_and_fails_clearly_offline(monkeypatch: 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(InputError, match="hub dataset"):
         resolve_inputs(["packshard-test-org/no-such-dataset"])
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+def test_a_table_without_sample_columns_keeps_its_columns_for_the_error(
+    tmp_path: Path, suffix: str
+):
+    """Projected to packshard's fields, such a table's records were empty: `the record has []`.
+    They keep their own columns, so the bad record names them."""
+    from packshard.pipeline.samples import source_fields, to_sample
+
+    table = pa.table({"question": ["q"], "answer": ["a"]})
+    path = tmp_path / f"qa.{suffix}"
+    if suffix == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.ipc.new_file(path, table.schema) as w:
+            w.write_table(table)
+    [f] = [count_records(f) for f in resolve_inputs([str(path)])]
+    [(location, record)] = list(read_records(f, 0, 1, fields=source_fields({})))
+    assert location == f"{path}:row 1" and record == {"question": "q", "answer": "a"}
+    with pytest.raises(BadRecord, match=r"the record has \['answer', 'question'\]"):
+        to_sample(record)
+
+
+def test_locations_and_errors_carry_no_credentials(tmp_path: Path):
+    from packshard.pipeline.inputs import InputFile
+
+    f = InputFile("http://user:SECRET@127.0.0.1:1/x.jsonl?sig=SECRET", "jsonl", records=1)
+    assert f.display == "http://127.0.0.1:1/x.jsonl" and "SECRET" not in json.dumps(f.to_json())
+    with pytest.raises(InputError) as e:
+        list(read_records(f, 0, 1))
+    assert "SECRET" not in str(e.value) and "http://127.0.0.1:1/x.jsonl" in str(e.value)
