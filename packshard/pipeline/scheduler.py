@@ -35,7 +35,7 @@ import numpy as np
 import ray
 
 from packshard.pipeline.inputs import InputFile
-from packshard.pipeline.planning import ShardPlan, block_records, contributions, plan_shards
+from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
 from packshard.pipeline.tasks import (
     BlockMeta,
@@ -86,16 +86,13 @@ class Block:
 
 
 def plan_blocks(files: list[InputFile], workers: int) -> list[Block]:
-    """Tokenization blocks: each file cut into runs of records of about the same input bytes."""
-    blocks: list[Block] = []
-    first = 0
+    """Tokenization blocks: runs of records of one file, large first and small last
+    (`planning.block_spans`)."""
     sizes = [f.size or NOMINAL_RECORD_BYTES * f.records for f in files]  # demo:// has no size
-    for fi, f in enumerate(files):
-        per_block = block_records(f.records, max(sizes[fi], 1), max(sum(sizes), 1), workers)
-        for start in range(0, f.records, per_block):
-            stop = min(f.records, start + per_block)
-            blocks.append(Block(len(blocks), fi, start, stop, first))
-            first += stop - start
+    blocks: list[Block] = []
+    firsts = np.concatenate(([0], np.cumsum([max(f.records, 0) for f in files])))
+    for fi, start, stop in block_spans([f.records for f in files], sizes, workers):
+        blocks.append(Block(len(blocks), fi, start, stop, int(firsts[fi]) + start))
     return blocks
 
 

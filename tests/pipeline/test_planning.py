@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from packshard.packers import plan_bins
 from packshard.pipeline.planning import (
-    block_records,
+    block_spans,
     contributions,
     plan_shard_rows,
     plan_shards,
@@ -156,11 +156,39 @@ def test_window_sizes_count_kept_samples_per_window():
     assert window_sizes_for((12, 15, 20), 10, kept) == [2, 1, 2]
 
 
-def test_block_records_follow_bytes_give_every_worker_work_and_stride():
-    # a small job: 4 blocks per worker, by bytes (a file of few huge records gets few per block)
-    assert block_records(100, 1000, 1000, 2) == 12
-    assert block_records(7, 2_000_000, 9_000_000, 2) == 4
-    # a big job: ~8 MiB blocks, whole seek strides
-    per = block_records(10_000_000, 10 << 30, 10 << 30, 8)
-    assert per % 1024 == 0 and abs(per * 1074 - (8 << 20)) < 1024 * 1074
-    assert block_records(0, 0, 0, 1) == 1
+def _check_spans(spans: list[tuple[int, int, int]], records: list[int]) -> None:
+    """Every record of every file once, in input order."""
+    covered = [0] * len(records)
+    for fi, start, stop in spans:
+        assert start == covered[fi] and stop > start
+        covered[fi] = stop
+    assert covered == records
+    assert [s[0] for s in spans] == sorted(s[0] for s in spans)
+
+
+def test_block_spans_shrink_towards_the_end_and_cover_every_record_once():
+    records, sizes = [10_000, 7, 0, 300], [5_000_000, 2_000_000, 0, 150_000]
+    for workers in (1, 2, 8):
+        spans = block_spans(records, sizes, workers)
+        _check_spans(spans, records)
+        first = [b - a for f, a, b in spans if f == 0]
+        assert first == sorted(first, reverse=True) and first[0] > first[-1]
+        assert len(spans) >= 2 * workers
+    # a file of few huge records: a block holds at least one record
+    assert all(b - a >= 1 for _, a, b in block_spans([3], [30 << 20], 4))
+    # the last blocks hold about min_bytes: here 64 KiB of 500-byte records
+    assert (
+        block_spans([100_000], [50_000_000], 2)[-1][2]
+        - block_spans([100_000], [50_000_000], 2)[-1][1]
+        <= 132
+    )
+
+
+def test_block_spans_of_a_big_job_are_capped_whole_strides():
+    spans = block_spans([10_000_000], [10 << 30], 8)
+    _check_spans(spans, [10_000_000])
+    big = [b - a for _, a, b in spans[:-1] if b - a >= 1024]
+    assert big and all(n % 1024 == 0 for n in big)
+    assert max(big) * 1074 <= (8 << 20) + 1024 * 1074  # ~8 MiB at 1074 bytes a record
+    assert all(a % 1024 == 0 for _, a, b in spans if b - a >= 1024)
+    assert block_spans([0], [0], 1) == []
