@@ -122,6 +122,11 @@ def parse_manifest(manifest: Any, where: str) -> Manifest:
     if index.path in paths:
         raise FormatError(f"{where}: index.path {index.path!r} is also a shard")
     totals = _parse_totals(manifest, where, shards)
+    examples = manifest.get("skipped_examples")
+    if examples is not None and not (
+        isinstance(examples, list) and all(isinstance(e, list) for e in examples)
+    ):
+        raise FormatError(f"{where}: skipped_examples must be a list of lists")
     return Manifest(manifest, config, shards, index, totals)
 
 
@@ -133,6 +138,13 @@ def _parse_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     _int(config, "pad_token_id", here, low=None)
     if config.get("cp") is not None:
         _int(config, "cp", here, low=1)
+    tokenizer = config.get("tokenizer")
+    if tokenizer is not None and not (
+        isinstance(tokenizer, dict) and isinstance(tokenizer.get("name", ""), str | None)
+    ):
+        raise FormatError(
+            f"{here}: tokenizer must be an object with a string name, got {tokenizer!r}"
+        )
     return config
 
 
@@ -268,9 +280,9 @@ def _check_rows(cols: dict[str, np.ndarray], manifest: Manifest, where: str) -> 
 
 
 def _check_histogram(manifest: Manifest, num_tokens: np.ndarray, where: str) -> None:
-    hist = manifest.raw.get("histogram")
-    if hist is None:
+    if "histogram" not in manifest.raw:
         return
+    hist = manifest.raw["histogram"]
     here = f"{where.rsplit('/', 1)[0]}/manifest.json: histogram"
     if not isinstance(hist, dict):
         raise FormatError(f"{here} must be a JSON object")
@@ -282,8 +294,12 @@ def _check_histogram(manifest: Manifest, num_tokens: np.ndarray, where: str) -> 
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in edges + counts):
         raise FormatError(f"{here}: edges and counts must be ints")
     e = np.asarray(edges, dtype=np.int64)
-    if e[0] != 0 or e[-1] != manifest.config["seq_len"] or (np.diff(e) < 0).any():
-        raise FormatError(f"{here}: edges must rise from 0 to seq_len {manifest.config['seq_len']}")
+    seq_len = manifest.config["seq_len"]
+    if not np.array_equal(e, np.linspace(0, seq_len, e.size).round()):
+        raise FormatError(
+            f"{here}: edges must cut [0, seq_len {seq_len}] into {e.size - 1} equal bins "
+            "(rounded to integers)"
+        )
     got, _ = np.histogram(num_tokens, bins=e)
     if got.tolist() != counts:
         raise FormatError(

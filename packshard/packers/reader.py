@@ -87,7 +87,7 @@ class ShardDataset:
         try:
             with fs.open(f"{root}/{MANIFEST_NAME}", "rb") as f:
                 raw = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise _no_dataset(url, fs, root) from None
         except storage_errors() as e:
             raise StorageError(f"{url}: cannot read {MANIFEST_NAME} ({describe_error(e)})") from e

@@ -191,16 +191,23 @@ def _list_buffers(arr: pa.ListArray, where: str) -> tuple[np.ndarray, np.ndarray
     to_numpy (which imports pandas on first use). For list<bool>, values are the bit bytes."""
     if arr.null_count:
         raise FormatError(f"{where}: a list column holds nulls")
-    bufs = arr.buffers()
-    off = np.frombuffer(bufs[1], np.int32, count=len(arr) + 1, offset=arr.offset * 4).astype(
-        np.int64
-    )
-    child = arr.values
-    if pa.types.is_boolean(child.type):
-        return off, np.frombuffer(bufs[3], np.uint8), child.offset
-    dtype = np.dtype(child.type.to_pandas_dtype())
+    bufs, child = arr.buffers(), arr.values
+    bits = pa.types.is_boolean(child.type)
+    dtype = np.dtype(np.uint8 if bits else child.type.to_pandas_dtype())
+    end = child.offset + len(child)
+    need = (end + 7) // 8 if bits else end * dtype.itemsize
+    if (
+        bufs[1] is None
+        or bufs[3] is None
+        or bufs[1].size < 4 * (arr.offset + len(arr) + 1)
+        or bufs[3].size < need
+    ):
+        raise FormatError(f"{where}: a list column's buffers are smaller than its length")
+    off = np.frombuffer(bufs[1], np.int32, count=len(arr) + 1, offset=arr.offset * 4)
+    if bits:
+        return off.astype(np.int64), np.frombuffer(bufs[3], np.uint8), child.offset
     values = np.frombuffer(bufs[3], dtype, count=len(child), offset=child.offset * dtype.itemsize)
-    return off, values, 0
+    return off.astype(np.int64), values, 0
 
 
 class RemoteShard(_Shard):

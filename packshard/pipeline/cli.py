@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from packshard._extras import MissingExtraError
-from packshard.packers import FormatError, ShardDataset, url_to_fs
+from packshard.packers import FormatError, ShardDataset
 from packshard.pipeline.inputs import redact_text, redact_url
-from packshard.pipeline.jobstate import PLAN_NAME
 from packshard.pipeline.options import add_storage_option_flag, parse_key_values
 
 
@@ -30,21 +29,10 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _open(args: argparse.Namespace) -> ShardDataset:
-    """The dataset at args.url; a URL with nothing there, or an unfinished job, says so."""
-    options = _storage_options(args)
-    try:
-        return ShardDataset.open(args.url, storage_options=options)
-    except FormatError:
-        fs, root = url_to_fs(args.url, options)
-        where = redact_url(args.url)
-        if not fs.exists(root):
-            raise FormatError(f"{where} does not exist (no file or directory there)") from None
-        if fs.exists(f"{root}/{PLAN_NAME}"):
-            raise FormatError(
-                f"{where} holds an unfinished pack job, not a dataset yet: rerun the pack "
-                "command that wrote it to finish it"
-            ) from None
-        raise
+    """The dataset at args.url. Without one, the reader's DatasetNotFoundError says what is
+    there (nothing, an empty directory, an unfinished pack job, other files); a failing store
+    is its StorageError."""
+    return ShardDataset.open(args.url, storage_options=_storage_options(args))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

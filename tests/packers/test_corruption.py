@@ -1,0 +1,162 @@
+"""Known corruptions, each one clear packshard error naming the file (the fuzz test in
+tests/integration/test_corruption_fuzz.py covers random ones), and what a URL without a dataset
+is said to hold."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from packshard.packers import (
+    DatasetNotFoundError,
+    DatasetWriter,
+    FormatError,
+    ShardDataset,
+    pack_table,
+)
+from packshard.packers.ipc import footer_length, message_flatbuffer, parse_batch, read_footer
+
+CONFIG = {"seq_len": 256, "cp": 2, "pad_multiple": 4, "pad_token_id": 0}
+
+
+def _make(root: Path, *, rows_per_batch: int = 3) -> tuple[str, pa.RecordBatch]:
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(1, 500, int(n)).astype(np.int32) for n in rng.integers(5, 200, 90)]
+    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))})
+    batch, _ = pack_table(table, seq_len=256, pad_multiple=4, pad_token_id=0)
+    w = DatasetWriter(str(root), CONFIG, max_rows=10, rows_per_batch=rows_per_batch)
+    w.write(batch)
+    w.close({"samples_in": 90, "samples_kept": 90, "dropped": {}})
+    return str(root), batch
+
+
+def _edit(url: str, change) -> None:
+    path = Path(url) / "manifest.json"
+    m = json.loads(path.read_text())
+    change(m)
+    path.write_text(json.dumps(m))
+
+
+def _read_all(url: str) -> None:
+    with ShardDataset.open(url) as ds:
+        for s, entry in enumerate(ds.shards):
+            ds.read_rows_arrays(s, np.arange(entry.rows))
+
+
+def test_rows_per_batch_disagreeing_with_the_shard(tmp_path):
+    url, _ = _make(tmp_path / "ds")
+    _edit(url, lambda m: m["shards"][1].update(rows_per_batch=4))  # 10 rows: 4 batches, not 3
+    with pytest.raises(FormatError, match=r"part-00001\.arrow: holds 4 record batches, .*rows_per_batch=4 need 3"):  # fmt: skip
+        _read_all(url)
+
+
+def test_rows_per_batch_with_the_same_batch_count(tmp_path):
+    url, _ = _make(tmp_path / "ds", rows_per_batch=4)  # 10 rows: batches 4, 4, 2
+    _edit(url, lambda m: m["shards"][0].update(rows_per_batch=5))  # 2 batches of 5: wrong count
+    with pytest.raises(FormatError, match=r"part-00000\.arrow: holds 3 record batches"):
+        _read_all(url)
+    url, _ = _make(tmp_path / "ds2", rows_per_batch=3)  # 10 rows: 3, 3, 3, 1
+    _edit(url, lambda m: m["shards"][0].update(rows_per_batch=3) or m["shards"][0].pop("rows_per_batch"))  # fmt: skip
+    _read_all(url)  # not recorded: the batches' own lengths are used
+
+
+def test_shifted_rows_counts(tmp_path):
+    url, _ = _make(tmp_path / "ds")
+
+    def shift(m: dict) -> None:
+        m["shards"][0]["rows"] += 1
+        m["shards"][1]["rows"] -= 1
+
+    _edit(url, shift)
+    with pytest.raises(
+        FormatError, match=r"index\.arrow: row 10 points at shard 1 row 0, .* at shard 0 row 10"
+    ):
+        ShardDataset.open(url).index  # noqa: B018
+
+
+def test_footer_byte_flip(tmp_path):
+    url, _ = _make(tmp_path / "ds")
+    path = Path(url) / "shards" / "part-00000.arrow"
+    data = bytearray(path.read_bytes())
+    n = footer_length(bytes(data[-10:]), len(data))
+    data[len(data) - 10 - n + n // 2] ^= 0xFF  # inside the footer flatbuffer
+    path.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"part-00000\.arrow: (not a readable Arrow IPC file|record batch)"):  # fmt: skip
+        _read_all(url)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            lambda m: m["shards"][0].update(rows="10"),
+            r"shards\[0\]: rows must be an int >= 0, got '10'",
+        ),
+        (lambda m: m["shards"][0].update(rows=True), r"rows must be an int"),
+        (lambda m: m["config"].update(seq_len=-5), r"config: seq_len must be an int >= 1"),
+        (lambda m: m["totals"].update(rows=1), r"totals: rows is 1, but the shards hold"),
+        (lambda m: m["totals"].update(samples_kept=5), r"samples_kept is 5 .* do not add up"),
+        (lambda m: m.update(histogram=None), r"histogram must be a JSON object"),
+        (
+            lambda m: m["histogram"]["counts"].__setitem__(0, 7),
+            r"histogram: counts .* do not match",
+        ),
+        (lambda m: m["index"].update(rows=3), r"index: rows is 3"),
+        (lambda m: m["shards"][1].update(path=m["shards"][0]["path"]), r"shards name a file twice"),
+        (lambda m: m.update(shards={}), r"shards must be a list"),
+    ],
+)
+def test_manifest_values_are_checked(tmp_path, change, match):
+    url, _ = _make(tmp_path / "ds")
+    _edit(url, change)
+    with pytest.raises(FormatError, match=match) as e:
+        ShardDataset.open(url).index  # noqa: B018
+    assert "manifest.json" in str(e.value) or "index.arrow" in str(e.value)
+
+
+def test_what_a_url_without_a_dataset_holds(tmp_path):
+    def said(url: Path) -> str:
+        with pytest.raises(DatasetNotFoundError) as e:
+            ShardDataset.open(str(url))
+        return str(e.value)
+
+    assert "does not exist" in said(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    assert "is an empty directory" in said(tmp_path / "empty")
+    (tmp_path / "job" / "_packshard").mkdir(parents=True)
+    (tmp_path / "job" / "_packshard" / "plan.json").write_text("{}")
+    assert "holds an unfinished pack job" in said(tmp_path / "job")
+    url, _ = _make(tmp_path / "half")
+    (Path(url) / "manifest.json").unlink()
+    assert "holds shards but no manifest.json" in said(Path(url))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    assert "holds no packshard dataset" in said(tmp_path / "other")
+    assert "is a file" in said(tmp_path / "other" / "notes.txt")
+
+
+def test_ipc_layout_matches_pyarrow(tmp_path):
+    """The footer and message parser finds the very buffers pyarrow decodes."""
+    url, _ = _make(tmp_path / "ds")
+    path = Path(url) / "shards" / "part-00000.arrow"
+    data = path.read_bytes()
+    n = footer_length(data[-10:], len(data))
+    blocks = read_footer(data[len(data) - 10 - n : len(data) - 10], len(data))
+    reader = pa.ipc.open_file(pa.BufferReader(data))
+    assert len(blocks) == reader.num_record_batches == math.ceil(10 / 3)
+    for b, block in enumerate(blocks):
+        meta = message_flatbuffer(data[block.offset : block.body_offset], block.metadata_length)
+        layout = parse_batch(meta, block.body_length)
+        batch = reader.get_batch(b)
+        assert layout.length == batch.num_rows
+        ours = [data[block.body_offset + o : block.body_offset + o + k] for o, k in layout.buffers]
+        theirs = [buf for col in batch.columns for buf in col.buffers()]
+        assert len(ours) == len(theirs) == 20
+        for mine, buf in zip(ours, theirs, strict=True):
+            if buf is not None:
+                assert mine[: buf.size] == buf.to_pybytes()[: len(mine)]
