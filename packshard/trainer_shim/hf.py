@@ -511,3 +511,39 @@ class StreamStateCallback(TrainerCallback):
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
+
+
+def sft_trainer(dataset: PackedShardDataset, **kwargs: Any) -> Any:
+    """TRL's ``SFTTrainer`` training on a `PackedShardDataset`.
+
+    SFTTrainer (TRL 1.x) takes only 🤗 ``datasets`` as ``train_dataset``, tokenizes and packs
+    them itself, and refuses a torch IterableDataset. The rows here are already tokenized and
+    packed, so the trainer is built on a one-row stand-in (its type check and its look at the
+    first example), with ``dataset_kwargs={"skip_prepare_dataset": True}``, ``packing`` and
+    ``padding_free`` off (the rows are packed and the collator is padding-free already) and
+    ``dispatch_batches`` off (as SFTTrainer sets for an IterableDataset), then handed the
+    dataset. ``data_collator`` defaults to `packed_collator` and a `StreamStateCallback` is
+    added unless one is given. Everything else of SFTTrainer stays: its fused LM head (the loss
+    without materialising the logits), its entropy and token-accuracy logs. Returns the trainer.
+    """
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = kwargs.get("args")
+    if not isinstance(args, SFTConfig):
+        raise TypeError("sft_trainer needs args=SFTConfig(...)")
+    if args.packing or args.padding_free:
+        raise ValueError(
+            "sft_trainer: the rows are packed already; set SFTConfig(packing=False, padding_free=False) "
+            "(packed_collator gives the padding-free batch)"
+        )
+    args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    args.accelerator_config.dispatch_batches = False
+    callbacks = list(kwargs.pop("callbacks", None) or [])
+    if not any(isinstance(c, StreamStateCallback) and c.dataset is dataset for c in callbacks):
+        callbacks.append(StreamStateCallback(dataset))
+    kwargs.setdefault("data_collator", packed_collator)
+    stand_in = Dataset.from_dict({"input_ids": [[0]], "labels": [[0]]})
+    trainer = SFTTrainer(train_dataset=stand_in, callbacks=callbacks, **kwargs)
+    trainer.train_dataset = dataset
+    return trainer
