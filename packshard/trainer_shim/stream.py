@@ -74,6 +74,7 @@ class StreamConfig:
     verify: bool = True
     seq_len: int | None = None
     cache_limit_bytes: int | None = None
+    read_ahead_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -107,6 +108,8 @@ class StreamConfig:
             raise bad("seq_len", "must be >= 1 or None")
         if self.cache_limit_bytes is not None and self.cache_limit_bytes < 1:
             raise bad("cache_limit_bytes", "must be >= 1 or None (unbounded)")
+        if self.read_ahead_bytes < 0:
+            raise bad("read_ahead_bytes", "must be >= 0")
 
 
 def dataset_fingerprint(ds: ShardDataset) -> str:
@@ -129,7 +132,6 @@ class _Failed:
 
 
 _END = object()
-HANDOFF = 8  # micro-batches per queue item
 
 
 class PackedShardStream:
@@ -165,17 +167,18 @@ class PackedShardStream:
         seq_len: int | None = None,
         cost_model: CostModel | None = None,
         verify: bool = True,
+        read_ahead_bytes: int = 64 << 20,
     ) -> None:
         self.config = StreamConfig(
             dp_rank=dp_rank, dp_size=dp_size, rows_per_step=rows_per_step, cp_rank=cp_rank, cp_size=cp_size,
             seed=seed, epochs=epochs, shuffle=shuffle, cp_layout=cp_layout, balance=balance, prefetch=prefetch,
             read_threads=read_threads, verify=verify, seq_len=seq_len, cache_limit_bytes=cache_limit_bytes,
+            read_ahead_bytes=read_ahead_bytes,
         )  # fmt: skip
         self.url = url
         self.cost_model = cost_model or CostModel()
         self.device = torch.device(device) if device is not None else None
         self._pin = self.device is not None and self.device.type == "cuda"
-        self._handoff = min(HANDOFF, prefetch)
         self.dataset = ShardDataset.open(url, storage_options=storage_options)
         self._check_dataset()
         index = self.dataset.index
@@ -313,9 +316,8 @@ class PackedShardStream:
         generation = self._generation
         stop = threading.Event()
         self._stop = stop
-        # the queue holds lists of up to HANDOFF micro-batches (one thread handoff per list, not
-        # per micro-batch: fewer wake-ups of the trainer thread), prefetch micro-batches in all
-        q: queue.Queue[Any] = queue.Queue(maxsize=max(1, self.config.prefetch // self._handoff))
+        # the queue holds windows of rows read (not built): two windows ahead of the consumer
+        q: queue.Queue[Any] = queue.Queue(maxsize=2)
         thread = threading.Thread(
             target=self._produce,
             args=(self._position, self._micro_step, q, stop),
@@ -328,6 +330,8 @@ class PackedShardStream:
     def _consume(
         self, q: queue.Queue[Any], stop: threading.Event, thread: threading.Thread, generation: int
     ) -> Iterator[dict[str, Any]]:
+        superseded = "this iteration was superseded (load_state_dict or a new iter()); iterate the stream again"
+        num_rows = self.dataset.num_rows
         try:
             while True:
                 try:
@@ -335,9 +339,7 @@ class PackedShardStream:
                 except queue.Empty:
                     item = None
                 if generation != self._generation:
-                    raise RuntimeError(
-                        "this iteration was superseded (load_state_dict or a new iter()); iterate the stream again"
-                    )
+                    raise RuntimeError(superseded)
                 if item is None:
                     if not thread.is_alive() and q.empty():
                         raise RuntimeError("the packshard prefetch thread ended without a result")
@@ -346,18 +348,19 @@ class PackedShardStream:
                     return
                 if isinstance(item, _Failed):
                     raise item.error
-                for mb, next_position in item:
+                work, rows = item
+                for plan, k, r in work:
                     if generation != self._generation:
-                        raise RuntimeError(
-                            "this iteration was superseded (load_state_dict or a new iter()); iterate the stream again"
-                        )
+                        raise RuntimeError(superseded)
+                    mb = self._microbatch(r, rows.get(r))
+                    mb.update(step=plan.step, micro_step=k, num_micro_steps=plan.num_micro_steps, epoch=plan.epoch)  # fmt: skip
                     if self.device is not None:
-                        for k in TENSOR_KEYS:
-                            mb[k] = mb[k].to(self.device, non_blocking=True)
-                    if next_position is None:
-                        self._micro_step += 1
+                        for key in TENSOR_KEYS:
+                            mb[key] = mb[key].to(self.device, non_blocking=True)
+                    if k == plan.num_micro_steps - 1:
+                        self._position, self._micro_step = plan.next_position(num_rows), 0
                     else:
-                        self._position, self._micro_step = next_position, 0
+                        self._micro_step += 1
                     yield mb
         finally:
             stop.set()
@@ -385,10 +388,23 @@ class PackedShardStream:
                 yield plan, k, int(rows[k])
             skip = 0
 
+    @property
+    def window_rows(self) -> int:
+        """Rows read per window: `prefetch` (at least a step's micro-batches); from a remote
+        dataset without a cache, as many as fit `read_ahead_bytes` (more rows per window merge
+        more range requests: see packers.shard_file)."""
+        rows = max(self.config.prefetch, self.num_micro_steps, 1)
+        if self.cache is None and not self.dataset.local:
+            mean = float(self.dataset.index_column("padded_len").mean())
+            rows = max(rows, int(self.config.read_ahead_bytes // max(1.0, mean * 4.2)))
+        return rows
+
     def _produce(
         self, start: Position, skip: int, q: queue.Queue[Any], stop: threading.Event
     ) -> None:
-        window = max(self.config.prefetch, self.num_micro_steps, 1)
+        """Read this rank's rows a window at a time, ahead of the consumer (which builds the
+        micro-batches): I/O overlaps the trainer, and a window's reads run together."""
+        window = self.window_rows
         reader = RowReader(
             self.dataset,
             cache=self.cache,
@@ -400,41 +416,16 @@ class PackedShardStream:
             for item in self._work(start, skip):
                 pending.append(item)
                 if len(pending) >= window:
-                    if not self._emit(pending, q, stop, reader):
+                    if not self._put(q, (pending, reader.read([r for _, _, r in pending if r >= 0])), stop):  # fmt: skip
                         return
                     pending = []
-            if pending and not self._emit(pending, q, stop, reader):
+            if pending and not self._put(q, (pending, reader.read([r for _, _, r in pending if r >= 0])), stop):  # fmt: skip
                 return
             self._put(q, _END, stop)
         except BaseException as e:  # delivered to the consumer, in order
             self._put(q, _Failed(e), stop)
         finally:
             reader.close()
-
-    def _emit(
-        self,
-        items: list[tuple[StepPlan, int, int]],
-        q: queue.Queue[Any],
-        stop: threading.Event,
-        reader: RowReader,
-    ) -> bool:
-        rows = reader.read([r for _, _, r in items if r >= 0])
-        num_rows = self.dataset.num_rows
-        chunk: list[tuple[dict[str, Any], Position | None]] = []
-        for plan, k, r in items:
-            if stop.is_set():
-                return False
-            mb = self._microbatch(r, rows.get(r))
-            mb.update(
-                step=plan.step, micro_step=k, num_micro_steps=plan.num_micro_steps, epoch=plan.epoch
-            )
-            last = k == plan.num_micro_steps - 1
-            chunk.append((mb, plan.next_position(num_rows) if last else None))
-            if len(chunk) == self._handoff:
-                if not self._put(q, chunk, stop):
-                    return False
-                chunk = []
-        return not chunk or self._put(q, chunk, stop)
 
     def _microbatch(self, row: int, data: Row | None) -> dict[str, Any]:
         c = self.config
