@@ -527,6 +527,7 @@ def sft_trainer(dataset: PackedShardDataset, **kwargs: Any) -> Any:
     without materialising the logits), its entropy and token-accuracy logs. Returns the trainer.
     """
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     from trl import SFTConfig, SFTTrainer
 
     args = kwargs.get("args")
@@ -543,7 +544,9 @@ def sft_trainer(dataset: PackedShardDataset, **kwargs: Any) -> Any:
     if not any(isinstance(c, StreamStateCallback) and c.dataset is dataset for c in callbacks):
         callbacks.append(StreamStateCallback(dataset))
     kwargs.setdefault("data_collator", packed_collator)
-    stand_in = Dataset.from_dict({"input_ids": [[0]], "labels": [[0]]})
+    # a fixed fingerprint: nothing to hash (datasets would pickle the table to make one)
+    table = InMemoryTable.from_pydict({"input_ids": [[0]], "labels": [[0]]})
+    stand_in = Dataset(table, fingerprint="packshard-sft-stand-in")
     trainer = SFTTrainer(train_dataset=stand_in, callbacks=callbacks, **kwargs)
     trainer.train_dataset = dataset
     return trainer

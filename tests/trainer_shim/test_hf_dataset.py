@@ -1,0 +1,171 @@
+"""PackedShardDataset and StreamStateCallback without a model: items, passes, DP ranks, the
+topology rules, and how accelerate wraps an IterableDataset (its own `prepare_data_loader`, the
+code Trainer calls, with 2 processes' ranks given explicitly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import RemoveColumnsCollator
+
+from packshard.packers import ShardDataset
+from packshard.trainer_shim import PackedShardStream
+from packshard.trainer_shim.hf import (
+    PackedRow,
+    PackedShardDataset,
+    StreamStateCallback,
+    packed_collator,
+    topology_for,
+)
+
+
+def rows_of(items) -> list[int]:
+    return [int(it["row"]) for it in items]
+
+
+def test_items_are_whole_rows_that_trainers_column_filter_leaves_alone(small_dataset: Path):
+    ds = PackedShardDataset(str(small_dataset), shuffle=False)
+    items = list(ds)
+    assert rows_of(items) == list(range(ShardDataset.open(str(small_dataset)).num_rows))
+    item = items[0]
+    assert isinstance(item, PackedRow) and not isinstance(item, dict) and "row" in item
+    # Trainer wraps the collator so that dict items lose the keys the model's forward lacks
+    filtered = RemoveColumnsCollator(packed_collator, signature_columns=["input_ids", "labels"])
+    assert torch.equal(filtered(items[:2])["labels"], packed_collator(items[:2])["labels"])
+    with pytest.raises(KeyError, match="whole"):
+        filtered([dict(it) for it in items[:2]])
+
+
+def test_every_pass_starts_at_the_start_so_a_peek_moves_nothing(small_dataset: Path):
+    ds = PackedShardDataset(str(small_dataset), seed=3)
+    first = next(iter(ds))  # SFTTrainer's look at the first example
+    a, b = rows_of(ds), rows_of(ds)
+    assert a == b and a[0] == first["row"] and ds.items_yielded == len(a)
+
+
+def test_two_dp_ranks_split_the_rows_and_need_the_callback(small_dataset: Path):
+    n = ShardDataset.open(str(small_dataset)).num_rows
+    ranks = [
+        PackedShardDataset(str(small_dataset), dp_rank=r, dp_size=2, rows_per_rank=3)
+        for r in range(2)
+    ]
+    with pytest.raises(RuntimeError, match="StreamStateCallback"):
+        list(ranks[0])  # accelerate would keep half of this rank's rows
+    assert next(iter(ranks[0]))["row"] >= 0  # a peek is fine
+    got = []
+    for ds in ranks:
+        StreamStateCallback(ds)._unshard(None, world=2)
+        got.append([r for r in rows_of(ds) if r >= 0])
+        stream = PackedShardStream(
+            str(small_dataset), dp_rank=ranks.index(ds), dp_size=2, rows_per_step=6
+        )
+        assert got[-1] == [int(mb["row"]) for mb in stream if mb["row"] >= 0]
+    assert sorted(got[0] + got[1]) == list(range(n))
+
+
+def test_dataloader_workers_are_refused(small_dataset: Path):
+    ds = PackedShardDataset(str(small_dataset))
+    with pytest.raises(RuntimeError, match="dataloader_num_workers=0"):
+        list(DataLoader(ds, batch_size=1, num_workers=1, collate_fn=packed_collator))
+
+
+@pytest.mark.parametrize(
+    "bad", [{"cp_size": 2}, {"device": "cuda"}, {"rows_per_step": 4}, {"dp_rank": 0}]
+)
+def test_arguments_the_dataset_sets_itself_are_refused(small_dataset: Path, bad: dict):
+    with pytest.raises(ValueError, match="PackedShardDataset"):
+        PackedShardDataset(str(small_dataset), **bad)
+
+
+def test_topology_follows_accelerates_mesh_order(
+    small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+):
+    assert topology_for(5, 8, tp=2) == topology_for(4, 8, tp=2)  # a TP pair shares rows
+    t = topology_for(13, 16, cp=2, tp=2)
+    assert (t.dp_rank, t.dp_size) == (3, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        topology_for(0, 6, cp=4)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    with pytest.raises(ValueError, match="attend to each other"):
+        PackedShardDataset(str(small_dataset))
+    ds = PackedShardDataset(
+        str(small_dataset), allow_cross_document_attention=True, rows_per_rank=2
+    )
+    assert (ds.topology.dp_rank, ds.topology.dp_size) == (1, 2)
+
+
+def test_accelerates_iterable_shard_is_undone_by_the_callback(small_dataset: Path):
+    """accelerate's prepare_data_loader (what Trainer calls) with dispatch_batches off wraps the
+    dataset in IterableDatasetShard; on a dataset split by rank it keeps half of each rank's rows
+    unless the callback turns it into a pass-through."""
+    from accelerate.data_loader import IterableDatasetShard, prepare_data_loader
+
+    def rank_rows(rank: int, fix: bool) -> list[int]:
+        ds = PackedShardDataset(str(small_dataset), dp_rank=rank, dp_size=2, rows_per_rank=2)
+        seen: list[int] = []
+
+        def collate(items):
+            seen.extend(rows_of(items))
+            return packed_collator(items)
+
+        dl = prepare_data_loader(
+            DataLoader(ds, batch_size=1, collate_fn=collate), num_processes=2, process_index=rank,
+            dispatch_batches=False, put_on_device=False,
+        )  # fmt: skip
+        assert isinstance(dl.dataset, IterableDatasetShard)
+        if fix:
+            StreamStateCallback(ds)._unshard(dl, world=2)
+        else:
+            ds._unsharded = True  # let it run, to show what accelerate alone would do
+        for _ in dl:
+            pass
+        return seen
+
+    for rank in range(2):
+        own = [
+            int(mb["row"])
+            for mb in PackedShardStream(
+                str(small_dataset), dp_rank=rank, dp_size=2, rows_per_step=4
+            )
+        ]
+        assert rank_rows(rank, fix=True) == own
+        assert len(rank_rows(rank, fix=False)) < len(own)  # accelerate alone drops rows
+
+
+def test_positions_after_items_are_kept_for_the_callback(small_dataset: Path):
+    ds = PackedShardDataset(str(small_dataset), rows_per_rank=2)
+    it = iter(ds)
+    items = [next(it) for _ in range(5)]
+    assert ds.items_yielded == 5
+    assert ds.state_after(0) == ds._start
+    s2 = ds.state_after(2)["position"]
+    assert (s2["step"], s2["micro_step"]) == (1, 0)
+    counts = ds.counts_between(1, 3)
+    assert [c["row"] for c in counts] == rows_of(items[1:3])
+    assert [c["num_tokens"] for c in counts] == [int(i["num_tokens"]) for i in items[1:3]]
+    with pytest.raises(RuntimeError, match="not kept"):
+        ds.state_after(6)
+    # resuming from the state after 2 items gives the 3rd item next
+    again = PackedShardDataset(str(small_dataset), rows_per_rank=2)
+    again.load_state_dict(ds.state_after(2), items=2)
+    assert next(iter(again))["row"] == items[2]["row"] and again.items_yielded == 3
+
+
+def test_dispatching_batches_across_processes_is_refused_with_the_fix(small_dataset: Path):
+    from accelerate.data_loader import DataLoaderDispatcher, prepare_data_loader
+
+    ds = PackedShardDataset(str(small_dataset), dp_rank=0, dp_size=2)
+    dl = prepare_data_loader(
+        DataLoader(ds, batch_size=1, collate_fn=packed_collator), num_processes=2, process_index=0,
+        dispatch_batches=True, put_on_device=True,
+    )  # fmt: skip
+    assert isinstance(dl, DataLoaderDispatcher)
+    with pytest.raises(ValueError, match="dispatch_batches': False"):
+        StreamStateCallback(ds)._unshard(dl, world=2)
