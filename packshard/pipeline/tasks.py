@@ -406,7 +406,6 @@ def pack_shard(
             packed.rows[i : i + ROWS_PER_BUILD],
             pad_multiple=spec.pad_multiple,
             pad_token_id=spec.pad_token_id,
-            threads=1,  # one pack task a CPU already
         )
         for i in range(0, len(packed.rows), ROWS_PER_BUILD)
     )

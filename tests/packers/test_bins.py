@@ -8,9 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packshard.packers import ALGORITHMS, lower_bound_rows, plan_bins
-from packshard.packers.bins import PY_ALGORITHMS, _native
-
-NATIVE = _native is not None
 
 ALGOS = sorted(ALGORITHMS)
 
@@ -113,30 +110,3 @@ def test_unknown_algorithm():
 
 def test_empty():
     assert plan_bins([], 10) == []
-
-
-@pytest.mark.skipif(
-    not NATIVE, reason="packshard.packers._native was not built (no C compiler at install)"
-)
-@pytest.mark.parametrize("algorithm", ALGOS)
-@settings(max_examples=100, deadline=None)
-@given(data=lengths_and_capacity)
-def test_native_and_python_planners_agree(algorithm, data):
-    lengths, capacity = data
-    arr = np.asarray(lengths, dtype=np.int64)
-    assert np.array_equal(
-        ALGORITHMS[algorithm](arr, capacity), PY_ALGORITHMS[algorithm](arr, capacity)
-    )
-
-
-@pytest.mark.skipif(
-    not NATIVE, reason="packshard.packers._native was not built (no C compiler at install)"
-)
-@pytest.mark.parametrize("capacity", [64, 4096, 8192, 131072, 262151])
-def test_native_and_python_agree_at_scale(capacity):
-    rng = np.random.default_rng(capacity)
-    lengths = np.clip(rng.lognormal(7.0, 1.5, 20_000).astype(np.int64), 1, capacity)
-    for algorithm in ALGOS:
-        assert np.array_equal(
-            ALGORITHMS[algorithm](lengths, capacity), PY_ALGORITHMS[algorithm](lengths, capacity)
-        )

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import packshard.packers.rows as rows_mod
 from packshard.packers import (
     apply_overlong,
     pack_table,
@@ -210,74 +209,6 @@ def test_pack_table_rejects_mismatched_mask():
     )
     with pytest.raises(ValueError, match="row 1: loss_mask must have the length of input_ids"):
         pack_table(table, seq_len=8, pad_multiple=4, pad_token_id=0)
-
-
-@pytest.mark.skipif(
-    rows_mod._native is None,
-    reason="packshard.packers._native was not built (no C compiler at install)",
-)
-@settings(max_examples=60, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 40), min_size=1, max_size=40),
-    mult=st.sampled_from([1, 4, 8]),
-    with_mask=st.booleans(),
-    seed=st.integers(0, 99),
-    threads=st.sampled_from([1, 2, 3, 7]),
-)
-def test_native_and_python_row_copy_agree(lens, mult, with_mask, seed, threads):
-    rng = np.random.default_rng(seed)
-    seqs = [rng.integers(1, 1000, n).astype(np.int32) for n in lens]
-    masks = [rng.random(n) < 0.5 for n in lens] if with_mask else None
-    table = _table(seqs, masks)
-    native, _ = pack_table(
-        table, seq_len=48, pad_multiple=mult, pad_token_id=5, overlong="split", threads=threads
-    )
-    saved = rows_mod._native
-    rows_mod._native = None
-    try:
-        python, _ = pack_table(
-            table, seq_len=48, pad_multiple=mult, pad_token_id=5, overlong="split"
-        )
-    finally:
-        rows_mod._native = saved
-    assert native.equals(python)
-
-
-@pytest.mark.skipif(
-    rows_mod._native is None,
-    reason="packshard.packers._native was not built (no C compiler at install)",
-)
-@pytest.mark.parametrize("threads", [1, 3])
-def test_native_streaming_copies_of_long_documents(threads):
-    """Documents of thousands of tokens take the streaming-store path (unaligned heads and
-    tails, split over threads): the rows equal the pure-Python copy's."""
-    rng = np.random.default_rng(threads)
-    lens = rng.integers(1, 5000, 60)
-    seqs = [rng.integers(1, 1000, n).astype(np.int32) for n in lens]
-    masks = [rng.random(n) < 0.5 for n in lens]
-    table = _table(seqs, masks)
-    kw = dict(seq_len=8192, pad_multiple=8, pad_token_id=5, algorithm="ffd")
-    native, _ = pack_table(table, threads=threads, **kw)
-    saved = rows_mod._native
-    rows_mod._native = None
-    try:
-        python, _ = pack_table(table, **kw)
-    finally:
-        rows_mod._native = saved
-    assert native.equals(python)
-
-
-def test_copy_threads_rule(monkeypatch):
-    assert rows_mod.copy_threads(10**9, 3) == 3
-    with pytest.raises(ValueError, match="threads must be >= 1"):
-        rows_mod.copy_threads(10, 0)
-    assert rows_mod.copy_threads(rows_mod.PARALLEL_COPY_BYTES - 1) == 1
-    monkeypatch.setattr(
-        rows_mod.os, "sched_getaffinity", lambda _pid: set(range(64)), raising=False
-    )
-    assert rows_mod.copy_threads(rows_mod.PARALLEL_COPY_BYTES) == rows_mod.MAX_AUTO_THREADS
-    monkeypatch.setattr(rows_mod.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
-    assert rows_mod.copy_threads(rows_mod.PARALLEL_COPY_BYTES) == 1
 
 
 @settings(max_examples=100, deadline=None)
