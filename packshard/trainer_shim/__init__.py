@@ -2,7 +2,10 @@
 resume and trained-token throughput. Imports packers and torch only (never ray or pipeline).
 
 Entry points: `PackedShardStream` (one per rank), `TrainedTokenMeter`, `Topology`
-(ranks from the environment or a device mesh). Conventions of the micro-batch (labels,
+(ranks from the environment or a device mesh). Trainer adapters, imported on first use and
+only then needing their trainer: `PackedShardDataset`, `packed_collator`,
+`StreamStateCallback`, `sft_trainer` (`trainer_shim.hf`: Hugging Face Trainer / TRL; needs
+transformers) and `PackedShardDataLoader` (`trainer_shim.titan`: torchtitan). Conventions of the micro-batch (labels,
 position ids, cu_seqlens, ks/ke): `trainer_shim.microbatch`.
 
 The pure modules (planning, cp, microbatch, state, topology) import no torch; the torch-backed
@@ -27,10 +30,22 @@ from packshard.trainer_shim.state import STATE_VERSION, StreamState
 from packshard.trainer_shim.topology import Topology, new_process_groups
 
 if TYPE_CHECKING:
+    from packshard.trainer_shim.hf import (
+        PackedShardDataset,
+        StreamStateCallback,
+        packed_collator,
+        sft_trainer,
+    )
     from packshard.trainer_shim.meter import FlopsModel, StepStats, TrainedTokenMeter
     from packshard.trainer_shim.stream import PackedShardStream, StreamConfig, dataset_fingerprint
+    from packshard.trainer_shim.titan import PackedShardDataLoader
 
 _LAZY = {
+    "PackedShardDataset": "packshard.trainer_shim.hf",
+    "StreamStateCallback": "packshard.trainer_shim.hf",
+    "packed_collator": "packshard.trainer_shim.hf",
+    "sft_trainer": "packshard.trainer_shim.hf",
+    "PackedShardDataLoader": "packshard.trainer_shim.titan",
     "FlopsModel": "packshard.trainer_shim.meter",
     "StepStats": "packshard.trainer_shim.meter",
     "TrainedTokenMeter": "packshard.trainer_shim.meter",
@@ -60,6 +75,8 @@ __all__ = [
     "Balance",
     "CpLayout",
     "FlopsModel",
+    "PackedShardDataLoader",
+    "PackedShardDataset",
     "PackedShardStream",
     "Position",
     "StepPlan",
@@ -67,6 +84,7 @@ __all__ = [
     "StepStats",
     "StreamConfig",
     "StreamState",
+    "StreamStateCallback",
     "Topology",
     "TrainedTokenMeter",
     "build_microbatch",
@@ -74,8 +92,10 @@ __all__ = [
     "dataset_fingerprint",
     "epoch_order",
     "new_process_groups",
+    "packed_collator",
     "plan_step",
     "reassemble",
     "row_divisor",
+    "sft_trainer",
     "step_imbalance",
 ]
