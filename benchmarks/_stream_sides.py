@@ -29,6 +29,7 @@ BENCH = REPO / ".bench"
 MOSAIC_VENV = BENCH / "mosaic-venv"
 MOSAIC_RUNNER = REPO / "benchmarks" / "_mosaic_runner.py"
 OURS_RUNNER = REPO / "benchmarks" / "_ours_runner.py"
+MOTO_SERVER = REPO / "benchmarks" / "_moto_server.py"
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -142,7 +143,7 @@ class MotoServer:
             self.port = sock.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, **S3_ENV},

@@ -173,27 +173,23 @@ class ShardDataset:
                 self._files[shard] = opened
             return opened
 
-    def _batch_arrays(self, shard: int, batches: list[int]) -> dict[int, BatchArrays]:
-        """The arrays of these batches of a shard, from the LRU or read (remote: together)."""
-        f = self._file(shard)
-        out: dict[int, BatchArrays] = {}
+    def _kept(self, shard: int, batches: list[int]) -> dict[int, BatchArrays]:
+        """The arrays of these batches that the LRU holds."""
+        out = {}
         with self._lock:
             for b in batches:
                 hit = self._arrays.get((shard, b))
                 if hit is not None:
                     self._arrays.move_to_end((shard, b))
                     out[b] = hit
-        missing = [b for b in batches if b not in out]
-        if missing:
-            with self._shard_lock(shard):
-                got = f.arrays_many(missing) if isinstance(f, RemoteShard) else [f.arrays(b) for b in missing]  # fmt: skip
-            out.update(zip(missing, got, strict=True))
-            with self._lock:
-                for b, arrays in zip(missing, got, strict=True):
-                    self._arrays[(shard, b)] = arrays
-                while len(self._arrays) > BATCH_ARRAYS_KEPT:
-                    self._arrays.popitem(last=False)
         return out
+
+    def _keep(self, shard: int, arrays: dict[int, BatchArrays]) -> None:
+        with self._lock:
+            for b, a in arrays.items():
+                self._arrays[(shard, b)] = a
+            while len(self._arrays) > BATCH_ARRAYS_KEPT:
+                self._arrays.popitem(last=False)
 
     def read_rows_arrays(
         self,
@@ -218,18 +214,20 @@ class ShardDataset:
                 f"read_rows_arrays reads the list columns {list(LIST_COLUMNS)}, not {unknown}"
             )
         f = self._file(shard)
-        batch_of = f.batch_of(rows_arr)
-        arrays = self._batch_arrays(shard, sorted(set(batch_of.tolist())))
+        batch_of = f.batch_of(rows_arr).tolist()
         within = (rows_arr - f.starts[batch_of]).tolist()
+        arrays = self._kept(shard, sorted(set(batch_of)))
         if isinstance(f, RemoteShard):
-            ids = f.fetch_ids(
-                [(arrays[b], i) for b, i in zip(batch_of.tolist(), within, strict=True)]
-            )
-            got = [
-                arrays[b].row(i, x) for b, i, x in zip(batch_of.tolist(), within, ids, strict=True)
-            ]
+            new, ids = f.fetch(list(zip(batch_of, within, strict=True)), arrays)
+            self._keep(shard, new)
+            arrays |= new
+            got = [arrays[b].row(i, x) for b, i, x in zip(batch_of, within, ids, strict=True)]
         else:
-            got = [arrays[b].row(i) for b, i in zip(batch_of.tolist(), within, strict=True)]
+            with self._shard_lock(shard):
+                new = {b: f.arrays(b) for b in sorted(set(batch_of)) if b not in arrays}
+            self._keep(shard, new)
+            arrays |= new
+            got = [arrays[b].row(i) for b, i in zip(batch_of, within, strict=True)]
         if verify:
             self._check_row_checksums(shard, rows_arr, got)
         return {c: [row[LIST_COLUMNS.index(c)] for row in got] for c in columns}

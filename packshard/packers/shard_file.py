@@ -234,7 +234,7 @@ class RemoteShard(_Shard):
             raise FormatError(f"{where}: not a readable Arrow IPC file ({e})") from None
         starts = _expected_starts(entry, len(self.blocks), where)
         if starts is None:
-            lengths = [lay.length for lay in self._layouts(list(range(len(self.blocks))))]
+            lengths = [lay.length for lay in self._metadata(list(range(len(self.blocks))))]
             starts = _starts_from_lengths(lengths, entry, where)
         self.starts = starts
 
@@ -269,9 +269,10 @@ class RemoteShard(_Shard):
         if not schema.equals(SHARD_SCHEMA):
             raise FormatError(f"{self.where}: schema differs from shard format v1")
 
-    def _layouts(self, batches: list[int]) -> list[ipc.BatchLayout]:
+    def _metadata(self, batches: list[int]) -> list[ipc.BatchLayout]:
+        """Record batches' layouts from their metadata alone (one request each)."""
         blocks = [self.blocks[b] for b in batches]
-        heads = self.read([(k.offset, k.body_offset) for k in blocks])
+        heads = self.read_merged([(k.offset, k.body_offset) for k in blocks])
         try:
             return [
                 ipc.parse_batch(ipc.message_flatbuffer(h, k.metadata_length), k.body_length)
@@ -282,22 +283,87 @@ class RemoteShard(_Shard):
                 f"{self.where}: a record batch's metadata is unreadable ({e})"
             ) from None
 
-    def arrays_many(self, batches: list[int]) -> list[BatchArrays]:
-        """These batches' metadata and small buffers: two rounds of concurrent requests."""
-        layouts = self._layouts(batches)
-        ranges = []
-        for b, lay in zip(batches, layouts, strict=True):
-            self._check_layout(b, lay)
-            body = self.blocks[b].body_offset
-            (ids_off_at, ids_off_len), tail_at = lay.buffers[1], lay.buffers[4][0]
-            ranges += [(body + ids_off_at, body + ids_off_at + ids_off_len), (body + tail_at, body + lay.body_length)]  # fmt: skip
-        data = self.read(ranges)
-        return [
-            self._arrays(b, lay, data[2 * i], data[2 * i + 1])
-            for i, (b, lay) in enumerate(zip(batches, layouts, strict=True))
-        ]
+    def read_merged(self, spans: list[tuple[int, int]]) -> list[memoryview]:
+        """The bytes of each [start, end) span, from requests merged where spans lie less than
+        MAX_GAP apart (each merged request at most MAX_RANGE long), all sent together."""
+        order = sorted(range(len(spans)), key=spans.__getitem__)
+        merged: list[list[int]] = []
+        for k in order:
+            a, e = spans[k]
+            last = merged[-1] if merged else None
+            if last and a - last[1] <= MAX_GAP and max(e, last[1]) - last[0] <= MAX_RANGE:
+                last[1] = max(last[1], e)
+            else:
+                merged.append([a, e])
+        data = [memoryview(d) for d in self.read([(a, e) for a, e in merged])]
+        out: list[memoryview] = [memoryview(b"")] * len(spans)
+        j = 0
+        for k in order:
+            a, e = spans[k]
+            while not (merged[j][0] <= a and e <= merged[j][1]):
+                j += 1
+            out[k] = data[j][a - merged[j][0] : e - merged[j][0]]
+        return out
 
-    def _arrays(self, b: int, lay: ipc.BatchLayout, ids_off: bytes, tail: bytes) -> BatchArrays:
+    def _heads(self, batches: list[int]) -> dict[int, tuple[ipc.BatchLayout, np.ndarray]]:
+        """Each batch's layout and input_ids offsets: one request a batch for its metadata and
+        the offsets right after it (a second only when they are not where expected)."""
+        guess = [8 + 4 * int(self.starts[b + 1] - self.starts[b] + 1) + 64 for b in batches]
+        blocks = [self.blocks[b] for b in batches]
+        heads = self.read_merged(
+            [(k.offset, min(k.body_offset + g, k.body_offset + k.body_length)) for k, g in zip(blocks, guess, strict=True)]
+        )  # fmt: skip
+        out = {}
+        for b, k, head in zip(batches, blocks, heads, strict=True):
+            try:
+                meta = ipc.message_flatbuffer(head, k.metadata_length)
+                lay = ipc.parse_batch(meta, k.body_length)
+            except ipc.IpcLayoutError as e:
+                raise FormatError(
+                    f"{self.where}: record batch {b}'s metadata is unreadable ({e})"
+                ) from None
+            self._check_layout(b, lay)
+            at, size = lay.buffers[1]
+            start, end = k.metadata_length + at, k.metadata_length + at + size
+            raw = (
+                head[start:end]
+                if end <= len(head)
+                else self.read([(k.offset + start, k.offset + end)])[0]
+            )
+            out[b] = (lay, np.frombuffer(raw, np.int32, count=lay.length + 1).astype(np.int64))
+        return out
+
+    def fetch(
+        self, wanted: list[tuple[int, int]], known: dict[int, BatchArrays]
+    ) -> tuple[dict[int, BatchArrays], list[np.ndarray]]:
+        """input_ids of each (batch, row in batch), and the arrays of the batches not `known`:
+        the new batches' metadata first, then their small buffers with the rows' tokens, in
+        merged requests."""
+        new = sorted({b for b, _ in wanted if b not in known})
+        heads = self._heads(new)
+        spans = []
+        for b in new:
+            lay = heads[b][0]
+            body = self.blocks[b].body_offset
+            spans.append((body + lay.buffers[4][0], body + lay.body_length))
+        ids_at = {b: self.blocks[b].body_offset + heads[b][0].buffers[3][0] for b in new}
+        ids_at |= {b: arrays.ids_at for b, arrays in known.items()}
+        ids_off = {b: heads[b][1] for b in new} | {b: arrays.ids_off for b, arrays in known.items()}
+        for b, i in wanted:
+            spans.append(
+                (ids_at[b] + 4 * int(ids_off[b][i]), ids_at[b] + 4 * int(ids_off[b][i + 1]))
+            )
+        data = self.read_merged(spans)
+        arrays = {
+            b: self._arrays(b, heads[b][0], heads[b][1], bytes(data[j]), ids_at[b])
+            for j, b in enumerate(new)
+        }
+        ids = [np.frombuffer(d, np.int32) for d in data[len(new) :]]
+        return arrays, ids
+
+    def _arrays(
+        self, b: int, lay: ipc.BatchLayout, ids_off: np.ndarray, tail: bytes, ids_at: int
+    ) -> BatchArrays:
         n, base = lay.length, lay.buffers[4][0]
 
         def buf(k: int, dtype: Any, count: int) -> np.ndarray:
@@ -307,11 +373,11 @@ class RemoteShard(_Shard):
             return buf(k, np.int32, n + 1).astype(np.int64)
 
         arrays = BatchArrays(
-            n, np.frombuffer(ids_off, np.int32, count=n + 1).astype(np.int64), None,
+            n, ids_off, None,
             offsets(5), buf(7, np.uint8, (lay.nodes[3][0] + 7) // 8), 0,
             offsets(9), buf(11, np.int32, lay.nodes[5][0]),
             offsets(13), buf(15, np.int64, lay.nodes[7][0]),
-            ids_at=self.blocks[b].body_offset + lay.buffers[3][0],
+            ids_at=ids_at,
         )  # fmt: skip
         arrays.check(f"{self.where}: record batch {b}")
         if arrays.ids_off[-1] > lay.nodes[1][0]:
@@ -332,31 +398,6 @@ class RemoteShard(_Shard):
         small = any(bufs[k][1] < size for k, size in sizes.items())
         if small or bufs[4][0] < bufs[3][0] + bufs[3][1]:
             raise FormatError(f"{self.where}: record batch {b}: buffers smaller than their columns")
-
-    def fetch_ids(self, wanted: list[tuple[BatchArrays, int]]) -> list[np.ndarray]:
-        """input_ids of each (batch arrays, row in the batch), by merged range requests."""
-        spans = []
-        for arrays, i in wanted:
-            start = arrays.ids_at + 4 * int(arrays.ids_off[i])
-            spans.append((start, arrays.ids_at + 4 * int(arrays.ids_off[i + 1])))
-        order = sorted(range(len(spans)), key=spans.__getitem__)
-        merged: list[list[int]] = []
-        for k in order:
-            a, e = spans[k]
-            last = merged[-1] if merged else None
-            if last and a - last[1] <= MAX_GAP and max(e, last[1]) - last[0] <= MAX_RANGE:
-                last[1] = max(last[1], e)
-            else:
-                merged.append([a, e])
-        data = self.read([(a, e) for a, e in merged])
-        out: list[np.ndarray] = [np.empty(0, np.int32)] * len(spans)
-        j = 0
-        for k in order:
-            a, e = spans[k]
-            while not (merged[j][0] <= a and e <= merged[j][1]):
-                j += 1
-            out[k] = np.frombuffer(data[j], np.int32, count=(e - a) // 4, offset=a - merged[j][0])
-        return out
 
     def close(self) -> None:
         """Nothing stays open between requests."""

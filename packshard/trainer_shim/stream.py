@@ -8,27 +8,27 @@
     state = stream.state_dict()  # with the checkpoint; stream.load_state_dict(state) resumes
 
 What happens, per rank:
-1. At construction: manifest.json and index.arrow are read (no token data), checked against
-   the stream's configuration (seq_len, the CP layout's divisibility, every row's length), and
-   turned into row costs. Nothing else is read until iteration.
+1. At construction: manifest.json and index.arrow are read (no token data) and checked
+   (packers.manifest), then against the stream's configuration (seq_len, the CP layout's
+   divisibility), and turned into row costs. Nothing else is read until iteration (~3 ms).
 2. A background thread walks the step plan (`planning.py`, identical on every rank) from the
-   current position, takes this rank's rows a window at a time, reads them grouped by shard
-   (one `ShardDataset.read_rows_arrays` per shard: only the record batches holding the rows, every
-   row checked against its checksum), shards in parallel over `read_threads` threads; with a
-   `cache_dir` whole shards are downloaded once, verified, and memory-mapped (`reading.py`,
-   `cache.py`).
-3. It builds each micro-batch (labels, position ids, cu_seqlens, ks/ke, the CP chunk:
-   `microbatch.py`), as CPU tensors, pinned when the device is CUDA (`ks_host` / `ke_host` keep
-   the ranges' host copies, for the indexer), into a queue of at most
-   `prefetch` micro-batches, handed over up to 8 at a time (one thread wake-up per 8, +30%
-   rows/s on busy cores). The iterator takes from the queue and copies to the device with
-   ``non_blocking=True``, so the copy overlaps the previous micro-step's compute.
+   current position and reads this rank's rows a window at a time, two windows ahead of the
+   trainer: grouped by shard (one `ShardDataset.read_rows_arrays` per shard, shards in parallel
+   over `read_threads` threads), every row checked against its checksum. Local shards are
+   memory-mapped; remote ones are read by byte ranges of only the rows' tokens (a window holds
+   `read_ahead_bytes` of rows, so nearby rows share a request) or, with a `cache_dir`,
+   downloaded whole once, verified, and memory-mapped (`reading.py`, `cache.py`). The thread
+   does the waiting (page faults, requests, downloads), not the CPU work.
+3. The iterator builds each micro-batch from its row when asked (labels, position ids,
+   cu_seqlens, ks/ke, the CP chunk: `microbatch.py`; ~30 µs at 8K tokens) as CPU tensors,
+   pinned when the device is CUDA (`ks_host` / `ke_host` keep the ranges' host copies, for the
+   indexer), and copies them to the device with ``non_blocking=True``, so the copy overlaps the
+   previous micro-step's compute. Building in the prefetch thread instead cost twice the CPU:
+   two CPU-bound Python threads take turns on the GIL, and nothing overlaps.
 
 Errors in the thread (a corrupted row, a missing shard, a network failure) are raised by the
 iterator, in order: micro-batches read before the failure are still delivered first.
-Throughput (benchmarks/RESULTS.md): one rank serves ~2,700 shuffled 8K-token rows/s from local
-disk on a loaded 2-core machine, ~150 µs of CPU per row (~50 read + verify, ~100 building the
-micro-batch), 3.7x MosaicML streaming's raw samples there; far under a GPU micro-step.
+Throughput: benchmarks/RESULTS.md (bench_stream.py, against a tuned MosaicML streaming).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class StreamConfig:
         if self.balance not in BALANCES:
             raise bad("balance", f"choose one of {list(BALANCES)}")
         if self.prefetch < 1:
-            raise bad("prefetch", "must be >= 1 (micro-batches queued ahead)")
+            raise bad("prefetch", "must be >= 1 (rows read ahead per window)")
         if self.read_threads < 1:
             raise bad("read_threads", "must be >= 1")
         if self.seq_len is not None and self.seq_len < 1:
