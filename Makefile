@@ -17,7 +17,7 @@ TYPED := packshard/packers packshard/trainer_shim
 
 .PHONY: install demo test test-suite test-newest lint typecheck format clean
 
-$(STAMP): pyproject.toml Makefile $(wildcard packshard/packers/_native.c)
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv
 	$(BIN)/pip install -q "$(TORCH)"
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard packshard/packers/_native.c)
 	touch $@
 
 # No torch pin here: the newest torch the pins allow (a CUDA build; its tests run on the CPU).
-$(STAMP_NEWEST): pyproject.toml Makefile $(wildcard packshard/packers/_native.c)
+$(STAMP_NEWEST): pyproject.toml Makefile
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
 	$(VENV_NEWEST)/bin/pip install -q --upgrade pip uv
 	$(VENV_NEWEST)/bin/uv pip install -q --upgrade --python $(VENV_NEWEST)/bin/python -e '.[all,dev]'
