@@ -14,14 +14,14 @@ each resampled (seeded, with replacement) to `--tokens` tokens in a random order
 samples truncated to seq_len. Reports rows above global BFD in % for each window and carry
 setting; the planning module's docstring quotes this table.
 
-Usage: `python benchmarks/bench_window.py [--tokens 100000000] [--no-append]` (needs ../shared).
+Usage: `.venv/bin/python benchmarks/bench_window.py [--tokens 100000000] [--append-results]`
+(needs ../shared; `--append-results` records the run as RESULTS.md's `bench_window` section).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._results import append_result, markdown_table
+from benchmarks._results import markdown_table, record_result
 from packshard.packers import plan_bins
 from packshard.pipeline.planning import plan_shard_rows
 
@@ -126,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=100_000_000, help="tokens per resampled mix")
     parser.add_argument("--shared", type=Path, default=SHARED)
-    parser.add_argument("--no-append", action="store_true", help="do not append to RESULTS.md")
+    parser.add_argument("--append-results", action="store_true", help="record in RESULTS.md")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows_out: list[list[object]] = []
@@ -151,14 +151,16 @@ def main() -> None:
     )
     print(table)
     print(summary)
-    if not args.no_append:
-        load = os.getloadavg()
+    if args.append_results:
         body = (
             f"Rows above one global BFD over each mix (wN cC: window of N rows' worth of tokens, carrying C "
-            f"least-filled rows to the next window); {args.tokens:,} tokens per mix. Load average {load[0]:.1f}.\n\n"
+            f"least-filled rows to the next window); {args.tokens:,} tokens per mix.\n\n"
             f"{table}\n\n{summary}\n"
         )
-        append_result("Pack job: packing window vs global BFD (bench_window.py)", body)
+        record_result(
+            "bench_window", "Pack job: packing window vs global BFD (bench_window.py)", body,
+            data={"tokens": args.tokens, "worst_carry1": {str(w): worst[(1, w)] for w in WINDOWS}},
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
