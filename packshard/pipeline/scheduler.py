@@ -1,7 +1,8 @@
 """The driver's side of the pack job: Ray tasks submitted in order, with bounded work in flight.
 
 Flow. Inputs are counted (one task per file), cut into tokenization blocks (ranges of records
-of one file; a block only splits work, it never changes the output), and tokenized by tasks
+of one file, large first and small last so the workers finish together: `planning.block_spans`;
+a block only splits work, it never changes the output), and tokenized by tasks
 that return a small `BlockMeta` to the driver and leave the token data in the object store. As
 the lengths of consecutive samples become known, the driver plans shards
 (`planning.plan_shards`, pure) and submits one `pack_shard` task per shard, handing it the
@@ -19,9 +20,17 @@ Resume. Shards kept from an interrupted run split the positions into intervals s
 interval is planned on its own (planning restarts at shard starts, so it reproduces the original
 shards) and only the blocks overlapping one are tokenized (all of them under `--shuffle`).
 
+Errors. Without `--skip-bad-records` the job fails naming the first bad record in input order,
+whatever the worker count and the order tasks finish in: the driver notes the earliest error
+seen, submits no further blocks (none can hold an earlier record), waits for the blocks before
+it (submitted first, so in flight or known) and raises. A failed tokenize task counts as an
+error at its block's first record.
+
 Retries: every task is retried by Ray on worker death (`max_retries`), and a shard whose bytes
-read back wrong is rewritten. A stop request (SIGTERM from `ray job stop`, Ctrl-C) cancels the
-tasks in flight and raises `Interrupted`; what was committed stays, and a rerun completes it.
+read back wrong is rewritten; blocks lost with a node are recomputed from their lineage (a
+test kills one of three nodes mid-job). A stop request (SIGTERM from `ray job stop`, Ctrl-C)
+cancels the tasks in flight and raises `Interrupted`; what was committed stays, and a rerun
+completes it. The nodes that ran tasks go into the manifest's ``job.nodes``.
 """
 
 from __future__ import annotations
