@@ -53,7 +53,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -538,8 +538,9 @@ def sft_trainer(dataset: PackedShardDataset, **kwargs: Any) -> Any:
             "sft_trainer: the rows are packed already; set SFTConfig(packing=False, padding_free=False) "
             "(packed_collator gives the padding-free batch)"
         )
-    args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
-    args.accelerator_config.dispatch_batches = False
+    given = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
+    args.dataset_kwargs = {**given, "skip_prepare_dataset": True}
+    cast(Any, args.accelerator_config).dispatch_batches = False  # an AcceleratorConfig by now
     callbacks = list(kwargs.pop("callbacks", None) or [])
     if not any(isinstance(c, StreamStateCallback) and c.dataset is dataset for c in callbacks):
         callbacks.append(StreamStateCallback(dataset))
