@@ -5,7 +5,7 @@ Entry points: `PackedShardStream` (one per rank), `TrainedTokenMeter`, `Topology
 (ranks from the environment or a device mesh). Trainer adapters, imported on first use and
 only then needing their trainer: `PackedShardDataset`, `packed_collator`,
 `StreamStateCallback`, `sft_trainer` (`trainer_shim.hf`: Hugging Face Trainer / TRL; needs
-transformers) and `PackedShardDataLoader` (`trainer_shim.titan`: torchtitan). Conventions of the micro-batch (labels,
+transformers, except the dataset) and `PackedShardDataLoader` (`trainer_shim.titan`: torchtitan). Conventions of the micro-batch (labels,
 position ids, cu_seqlens, ks/ke): `trainer_shim.microbatch`.
 
 The pure modules (planning, cp, microbatch, state, topology) import no torch; the torch-backed
@@ -30,18 +30,14 @@ from packshard.trainer_shim.state import STATE_VERSION, StreamState
 from packshard.trainer_shim.topology import Topology, new_process_groups
 
 if TYPE_CHECKING:
-    from packshard.trainer_shim.hf import (
-        PackedShardDataset,
-        StreamStateCallback,
-        packed_collator,
-        sft_trainer,
-    )
+    from packshard.trainer_shim.hf import StreamStateCallback, packed_collator, sft_trainer
+    from packshard.trainer_shim.hf_dataset import PackedShardDataset
     from packshard.trainer_shim.meter import FlopsModel, StepStats, TrainedTokenMeter
     from packshard.trainer_shim.stream import PackedShardStream, StreamConfig, dataset_fingerprint
     from packshard.trainer_shim.titan import PackedShardDataLoader
 
 _LAZY = {
-    "PackedShardDataset": "packshard.trainer_shim.hf",
+    "PackedShardDataset": "packshard.trainer_shim.hf_dataset",
     "StreamStateCallback": "packshard.trainer_shim.hf",
     "packed_collator": "packshard.trainer_shim.hf",
     "sft_trainer": "packshard.trainer_shim.hf",

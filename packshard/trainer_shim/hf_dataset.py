@@ -1,0 +1,273 @@
+"""`PackedShardDataset`: a packshard dataset as the torch IterableDataset Hugging Face's Trainer
+and TRL's SFTTrainer take, one packed row per item (`PackedRow`), this rank's rows only.
+
+The rules it follows for Trainer (why each item is a `PackedRow`, how the DP rank is found, why
+every iteration starts at the start position, what it keeps for the callback) are in
+`trainer_shim.hf`, whose `StreamStateCallback` it works with. It needs torch, not transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from packshard.trainer_shim.stream import PackedShardStream
+from packshard.trainer_shim.topology import Topology
+
+log = logging.getLogger(__name__)
+
+ITEM_KEYS = (
+    "input_ids", "labels", "position_ids", "cu_seqlens", "num_tokens", "num_loss_tokens",
+    "padded_len", "attn_cost", "row", "step", "micro_step", "num_micro_steps", "epoch",
+)  # fmt: skip
+COUNT_KEYS = ("num_tokens", "num_loss_tokens", "padded_len", "attn_cost", "row")
+RECORDS = 8192  # items' positions kept: far more than Trainer holds ahead of its step
+_NOT_STREAM_KWARGS = {
+    "cp_rank": "the dataset yields whole rows; CP ranks get the same rows (accelerate splits them)",
+    "cp_size": "the dataset yields whole rows; CP ranks get the same rows (accelerate splits them)",
+    "cp_layout": "the dataset yields whole rows",
+    "device": "Trainer moves batches to the device itself",
+}
+
+
+class PackedRow(Mapping[str, Any]):
+    """One packed row (`ITEM_KEYS`). A read-only mapping, not a dict: Trainer's
+    ``RemoveColumnsCollator`` strips from dict items every key the model's forward does not
+    take, and only passes other objects to the collator whole."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"PackedRow(row={self._data['row']}, padded_len={self._data['padded_len']})"
+
+
+def topology_for(rank: int, world: int, *, tp: int = 1, cp: int = 1, sp: int = 1) -> Topology:
+    """DP rank and size of global `rank` under accelerate's mesh order (dp_replicate, dp_shard,
+    cp, sp, tp; tp fastest): the ranks of one (cp, sp, tp) group share a DP rank."""
+    group = tp * cp * sp
+    if group < 1 or world % group:
+        raise ValueError(
+            f"world size {world} is not a multiple of tp*cp*sp = {tp}*{cp}*{sp} = {group}"
+        )
+    return Topology(dp_rank=rank // group, dp_size=world // group)
+
+
+def _rank_world() -> tuple[int, int, str]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), "torch.distributed"
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"RANK / WORLD_SIZE must be integers ({e})") from None
+    return rank, world, ("RANK/WORLD_SIZE" if "WORLD_SIZE" in os.environ else "one process")
+
+
+def _parallel_sizes() -> tuple[int, int, int, str]:
+    """(tp, cp, sp, cp_backend) of accelerate's ParallelismConfig when an Accelerator is set up,
+    else of the PARALLELISM_CONFIG_* variables `accelerate launch` sets, else (1, 1, 1, "")."""
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+    except ImportError:  # accelerate absent (or too old for ParallelismConfig): no CP, stated
+        return 1, 1, 1, ""
+    pc = AcceleratorState().parallelism_config if is_initialized() else None
+    if pc is not None:
+        return pc.tp_size, pc.cp_size, pc.sp_size, str(getattr(pc, "cp_backend", "torch"))
+    env = os.environ
+    sizes = [int(env.get(f"PARALLELISM_CONFIG_{k}_SIZE", "1")) for k in ("TP", "CP", "SP")]
+    return sizes[0], sizes[1], sizes[2], env.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
+
+
+class PackedShardDataset(IterableDataset):
+    """This rank's packed rows of a packshard dataset, one `PackedRow` per item (module
+    docstring). ``rows_per_rank`` rows per rank make one planning step (cost-balanced across
+    DP ranks): set it to ``per_device_train_batch_size * gradient_accumulation_steps`` so a
+    planning step is an optimizer step. Other keyword arguments go to `PackedShardStream`
+    (seed, epochs, shuffle, balance, cache_dir, storage_options, prefetch, read_threads,
+    seq_len, cost_model, verify, cache_limit_bytes). Unsized: give Trainer ``max_steps``
+    (`micro_batches_per_epoch` helps)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        rows_per_rank: int = 1,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        allow_cross_document_attention: bool = False,
+        **stream_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        for key, why in _NOT_STREAM_KWARGS.items():
+            if key in stream_kwargs:
+                raise ValueError(f"PackedShardDataset: {key}= is not taken: {why}")
+        if "rows_per_step" in stream_kwargs:
+            raise ValueError(
+                "PackedShardDataset: give rows_per_rank (rows per DP rank per planning step); "
+                "rows_per_step follows from it and the DP size"
+            )
+        if rows_per_rank < 1:
+            raise ValueError(f"PackedShardDataset: rows_per_rank={rows_per_rank} must be >= 1")
+        if (dp_rank is None) != (dp_size is None):
+            raise ValueError("PackedShardDataset: give both dp_rank and dp_size, or neither")
+        self.url = url
+        self.rows_per_rank = rows_per_rank
+        self.allow_cross_document_attention = allow_cross_document_attention
+        self._explicit = None if dp_size is None else Topology(dp_rank=dp_rank, dp_size=dp_size)  # type: ignore[arg-type]
+        self._stream_kwargs = stream_kwargs
+        self.topology = self._resolve_topology()
+        self.stream = self._open(self.topology)
+        self._start: dict[str, Any] = self.stream.state_dict()
+        self._start_items = 0  # items of this rank trained before the start position
+        self._records: deque[tuple[int, tuple[int, ...], dict[str, int]]] = deque(maxlen=RECORDS)
+        self._yielded = 0
+        self._pass = 0
+        self._unsharded = False  # set by StreamStateCallback once accelerate's re-sharding is off
+
+    # ---- topology -------------------------------------------------------------------------
+
+    def _resolve_topology(self) -> Topology:
+        if self._explicit is not None:
+            return self._explicit
+        rank, world, source = _rank_world()
+        tp, cp, sp, backend = _parallel_sizes()
+        if cp > 1 and backend == "torch" and not self.allow_cross_document_attention:
+            raise ValueError(
+                f"accelerate's context parallelism (cp_size={cp}, cp_backend='torch') replaces the "
+                "attention mask by is_causal=True, so the documents of a packed row would attend to "
+                "each other. Use packshard's own CP (PackedShardStream(cp_size=...) with a document-"
+                "masked attention), sequence parallelism (sp_backend='deepspeed'), or pass "
+                "allow_cross_document_attention=True to accept it"
+            )
+        topo = topology_for(rank, world, tp=tp, cp=cp, sp=sp)
+        log.info(
+            "PackedShardDataset %s: rank %d of %d (%s), tp %d cp %d sp %d -> dp %d/%d",
+            self.url, rank, world, source, tp, cp, sp, topo.dp_rank, topo.dp_size,
+        )  # fmt: skip
+        return topo
+
+    def _open(self, topo: Topology) -> PackedShardStream:
+        return PackedShardStream(
+            self.url,
+            dp_rank=topo.dp_rank,
+            dp_size=topo.dp_size,
+            rows_per_step=self.rows_per_rank * topo.dp_size,
+            **self._stream_kwargs,
+        )
+
+    def _ensure_topology(self) -> None:
+        topo = self._resolve_topology()
+        if topo == self.topology:
+            return
+        log.info("PackedShardDataset: topology changed %s -> %s; reopening", self.topology, topo)
+        self.stream.close()
+        self.topology = topo
+        self.stream = self._open(topo)
+        self.stream.load_state_dict(self._start)  # global position: valid for any rank
+        self._start = self.stream.state_dict()
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Items (rows) this rank yields per epoch of the data; Trainer's batches per epoch is
+        this / per_device_train_batch_size."""
+        return self.stream.steps_per_epoch * self.stream.num_micro_steps
+
+    # ---- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[PackedRow]:
+        if get_worker_info() is not None:
+            raise RuntimeError(
+                "PackedShardDataset runs in a DataLoader worker: each worker would read every row. "
+                "It prefetches in its own thread; use dataloader_num_workers=0"
+            )
+        self._ensure_topology()
+        self.stream.load_state_dict(self._start)
+        self._pass += 1
+        self._records.clear()
+        self._yielded = self._start_items
+        return self._items(self._pass)
+
+    def _items(self, pass_no: int) -> Iterator[PackedRow]:
+        for k, mb in enumerate(self.stream):
+            if k == 1 and self.topology.dp_size > 1 and not self._unsharded:
+                raise RuntimeError(
+                    f"PackedShardDataset under {self.topology.dp_size} DP ranks already splits rows by "
+                    "rank: add StreamStateCallback(dataset) to the Trainer's callbacks (it stops "
+                    "accelerate's IterableDatasetShard from keeping only 1/num_processes of them); "
+                    "outside a Trainer, iterate a PackedShardStream"
+                )
+            if pass_no != self._pass:
+                raise RuntimeError(
+                    "this iteration of PackedShardDataset was superseded by a new one"
+                )
+            self._yielded += 1
+            self._records.append(
+                (self._yielded, tuple(int(mb[k]) for k in COUNT_KEYS), self.stream.state_dict()["position"])
+            )  # fmt: skip
+            yield PackedRow({k: mb[k] for k in ITEM_KEYS})
+
+    # ---- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's state after the last item yielded (see `state_after` for what a
+        Trainer has trained)."""
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], *, items: int = 0) -> None:
+        """Start the next iteration at `state` (a `PackedShardStream` state); `items` is the
+        number of this rank's items trained before it (kept for `state_after`)."""
+        self.stream.load_state_dict(state)
+        self._start = self.stream.state_dict()
+        self._start_items = items
+
+    @property
+    def items_yielded(self) -> int:
+        """Items of this rank before the last one yielded, counted like `load_state_dict`'s
+        `items` (the start position's count plus this iteration's items)."""
+        return self._yielded
+
+    def _record(self, items: int) -> tuple[tuple[int, ...], dict[str, int]]:
+        first = self._records[0][0] if self._records else self._yielded + 1
+        if not first <= items <= self._yielded:
+            raise RuntimeError(
+                f"the stream position after item {items} is not kept (items {first}..{self._yielded} "
+                f"are; {RECORDS} at most): the Trainer is further behind the dataset than expected"
+            )
+        rec = self._records[items - first]
+        return rec[1], rec[2]
+
+    def state_after(self, items: int) -> dict[str, Any]:
+        """The stream state after this rank's `items`-th item (counted like `items_yielded`)."""
+        if items == self._start_items:
+            return dict(self._start)
+        return {**self._start, "position": dict(self._record(items)[1])}
+
+    def counts_between(self, first: int, last: int) -> list[dict[str, int]]:
+        """Whole-row counts (`COUNT_KEYS`) of items first+1..last, for `TrainedTokenMeter`."""
+        return [
+            dict(zip(COUNT_KEYS, self._record(i)[0], strict=True))
+            for i in range(first + 1, last + 1)
+        ]
+
+    def close(self) -> None:
+        self.stream.close()
