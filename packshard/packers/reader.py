@@ -85,8 +85,7 @@ class ShardDataset:
     def open(cls, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ShardDataset:
         fs, root = url_to_fs(url, storage_options)
         try:
-            with fs.open(f"{root}/{MANIFEST_NAME}", "rb") as f:
-                raw = f.read()
+            raw = fs.cat_file(f"{root}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError):
             raise _no_dataset(url, fs, root) from None
         except storage_errors() as e:
@@ -128,8 +127,8 @@ class ShardDataset:
 
     def _read_whole(self, rel: str) -> bytes:
         where = f"{self.url}/{rel}"
-        with reading(where), self.fs.open(f"{self.root}/{rel}", "rb") as f:
-            return f.read()
+        with reading(where):
+            return self.fs.cat_file(f"{self.root}/{rel}")
 
     def index_column(self, name: str) -> np.ndarray:
         """One index.arrow column as numpy (read-only, checked)."""
@@ -218,7 +217,10 @@ class ShardDataset:
         within = (rows_arr - f.starts[batch_of]).tolist()
         arrays = self._kept(shard, sorted(set(batch_of)))
         if isinstance(f, RemoteShard):
-            new, ids = f.fetch(list(zip(batch_of, within, strict=True)), arrays)
+            sizes = (
+                4 * self.index_column("padded_len")[rows_arr + self.shard_row_starts[shard]]
+            ).tolist()
+            new, ids = f.fetch(list(zip(batch_of, within, strict=True)), arrays, sizes)
             self._keep(shard, new)
             arrays |= new
             got = [arrays[b].row(i, x) for b, i, x in zip(batch_of, within, ids, strict=True)]

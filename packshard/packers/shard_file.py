@@ -22,6 +22,7 @@ window of rows dense in a batch costs one request, sparse rows one request each.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ LIST_COLUMNS = ("input_ids", "loss_mask", "doc_lens", "sample_ids")
 _DTYPES = {"input_ids": np.int32, "doc_lens": np.int32, "sample_ids": np.int64}
 MAX_GAP = 1 << 20  # merge range requests closer than this
 MAX_RANGE = 32 << 20  # but do not grow one past this
+DENSE = 0.25  # a batch whose wanted rows hold this share of its bytes is read whole
 TAIL_READ = 64 << 10  # first guess at footer + tail bytes
 Row = tuple[
     np.ndarray, np.ndarray, np.ndarray, np.ndarray
@@ -79,6 +81,14 @@ class BatchArrays:
                 raise FormatError(f"{where}: {name} offsets pass the end of its values")
         if not np.array_equal(np.diff(self.ids_off), np.diff(self.mask_off)):
             raise FormatError(f"{where}: loss_mask and input_ids rows differ in length")
+
+    def row_ids(self, i: int) -> np.ndarray:
+        assert self.ids is not None
+        return self.ids[self.ids_off[i] : self.ids_off[i + 1]]
+
+    def without_ids(self) -> BatchArrays:
+        """The same batch without its input_ids values (what a remote reader keeps)."""
+        return dataclasses.replace(self, ids=None)
 
     def row(self, i: int, ids: np.ndarray | None = None) -> Row:
         """Row i of the batch (`ids`: its tokens, for a remote batch)."""
@@ -334,32 +344,74 @@ class RemoteShard(_Shard):
         return out
 
     def fetch(
-        self, wanted: list[tuple[int, int]], known: dict[int, BatchArrays]
+        self, wanted: list[tuple[int, int]], known: dict[int, BatchArrays], row_bytes: list[int]
     ) -> tuple[dict[int, BatchArrays], list[np.ndarray]]:
-        """input_ids of each (batch, row in batch), and the arrays of the batches not `known`:
-        the new batches' metadata first, then their small buffers with the rows' tokens, in
-        merged requests."""
+        """input_ids of each (batch, row in batch), and the arrays of the batches not `known`.
+
+        A new batch whose wanted rows hold at least DENSE of its body (by `row_bytes`, the rows'
+        sizes from index.arrow) is read whole, in one request; the others in two rounds: their
+        metadata, then their small buffers with the rows' tokens. Requests are merged."""
         new = sorted({b for b, _ in wanted if b not in known})
-        heads = self._heads(new)
+        need: dict[int, int] = {}
+        for (b, _), size in zip(wanted, row_bytes, strict=True):
+            need[b] = need.get(b, 0) + size
+        whole = [b for b in new if need[b] >= DENSE * self.blocks[b].body_length]
+        arrays = self._whole(whole)
+        heads = self._heads([b for b in new if b not in arrays])
         spans = []
-        for b in new:
-            lay = heads[b][0]
+        for b, (lay, _) in heads.items():
             body = self.blocks[b].body_offset
             spans.append((body + lay.buffers[4][0], body + lay.body_length))
-        ids_at = {b: self.blocks[b].body_offset + heads[b][0].buffers[3][0] for b in new}
-        ids_at |= {b: arrays.ids_at for b, arrays in known.items()}
-        ids_off = {b: heads[b][1] for b in new} | {b: arrays.ids_off for b, arrays in known.items()}
-        for b, i in wanted:
+        ids_at = {
+            b: self.blocks[b].body_offset + lay.buffers[3][0] for b, (lay, _) in heads.items()
+        }
+        ids_at |= {b: a.ids_at for b, a in known.items()}
+        ids_off = {b: off for b, (_, off) in heads.items()} | {
+            b: a.ids_off for b, a in known.items()
+        }
+        remote = [(b, i) for b, i in wanted if b not in arrays]
+        for b, i in remote:
             spans.append(
                 (ids_at[b] + 4 * int(ids_off[b][i]), ids_at[b] + 4 * int(ids_off[b][i + 1]))
             )
         data = self.read_merged(spans)
-        arrays = {
-            b: self._arrays(b, heads[b][0], heads[b][1], bytes(data[j]), ids_at[b])
-            for j, b in enumerate(new)
-        }
-        ids = [np.frombuffer(d, np.int32) for d in data[len(new) :]]
-        return arrays, ids
+        for j, (b, (lay, off)) in enumerate(heads.items()):
+            arrays[b] = self._arrays(b, lay, off, bytes(data[j]), ids_at[b])
+        fetched = iter(data[len(heads) :])
+        ids = [
+            arrays[b].row_ids(i) if b in arrays and arrays[b].ids is not None else np.frombuffer(next(fetched), np.int32)
+            for b, i in wanted
+        ]  # fmt: skip
+        kept = {b: a.without_ids() if a.ids is not None else a for b, a in arrays.items()}
+        return kept, ids
+
+    def _whole(self, batches: list[int]) -> dict[int, BatchArrays]:
+        """Batches read whole (metadata and body in one request each), parsed here."""
+        if not batches:
+            return {}
+        blocks = [self.blocks[b] for b in batches]
+        data = self.read_merged([(k.offset, k.body_offset + k.body_length) for k in blocks])
+        out = {}
+        for b, k, raw in zip(batches, blocks, data, strict=True):
+            try:
+                lay = ipc.parse_batch(ipc.message_flatbuffer(raw, k.metadata_length), k.body_length)
+            except ipc.IpcLayoutError as e:
+                raise FormatError(
+                    f"{self.where}: record batch {b}'s metadata is unreadable ({e})"
+                ) from None
+            self._check_layout(b, lay)
+            body = raw[k.metadata_length :]
+            at, size = lay.buffers[1]
+            off = np.frombuffer(body[at : at + size], np.int32, count=lay.length + 1).astype(
+                np.int64
+            )
+            arrays = self._arrays(
+                b, lay, off, bytes(body[lay.buffers[4][0] :]), k.body_offset + lay.buffers[3][0]
+            )
+            at, size = lay.buffers[3]
+            arrays.ids = np.frombuffer(body[at : at + size], np.int32, count=lay.nodes[1][0])
+            out[b] = arrays
+        return out
 
     def _arrays(
         self, b: int, lay: ipc.BatchLayout, ids_off: np.ndarray, tail: bytes, ids_at: int

@@ -170,7 +170,9 @@ def _remote(url: str) -> ShardDataset:
 
 
 @pytest.mark.parametrize("recorded", [True, False])
-def test_range_reader_matches_memory_map(tmp_path, monkeypatch, recorded):
+@pytest.mark.parametrize("dense", [0.0, 2.0])  # every batch read whole / by rows' ranges
+def test_range_reader_matches_memory_map(tmp_path, monkeypatch, recorded, dense):
+    monkeypatch.setattr("packshard.packers.shard_file.DENSE", dense)
     url, _ = _make(tmp_path / "ds")
     if not recorded:  # an older writer: the batches' own lengths locate rows
         _edit(url, lambda m: [s.pop("rows_per_batch") for s in m["shards"]])
@@ -188,5 +190,6 @@ def test_range_reader_matches_memory_map(tmp_path, monkeypatch, recorded):
         for col in a:
             assert all(np.array_equal(x, y) for x, y in zip(a[col], b[col], strict=True)), col
     # per shard: the file's head and tail, then the batches' metadata, then their small buffers
-    # with the rows' tokens; this small dataset's ranges all merge (< 1 MiB apart)
+    # with the rows' tokens (or, dense, the whole batches at once); this small dataset's ranges
+    # all merge (< 1 MiB apart)
     assert len(requests) <= 4 * len(local.shards) and max(requests) <= 2
