@@ -426,21 +426,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{model_name} {arm}: first step {run.first_step_s:.2f} s, steady "
                   f"{run.steady_tokens_per_s(SCALES[opts.scale][model_name]['warmup']):,.0f} tok/s, "
                   f"loss {run.loss[0]:.3f} -> {run.loss[-1]:.3f} ({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
-    body, data = summarise(runs, opts, pack, params)
-    if skipped:
-        body += f"\nNot run (past --budget-s {opts.budget_s:.0f}): {', '.join(skipped)}.\n"
-    load = os.getloadavg()
-    from benchmarks._results import machine_description
-
-    data.update(command=shlex.join(["python", *sys.argv]), load=load, scale=opts.scale, body=body,
-                machine=machine_description())  # fmt: skip
-    print(body)
-    (opts.out / "hf_trainer.json").write_text(json.dumps(data, indent=1))
-    (opts.out / "hf_trainer.md").write_text(body)
-    plot(runs, opts.out, opts)
+            write(runs, opts, pack, params, skipped)  # what a run cut short by its time limit keeps
+    data = write(runs, opts, pack, params, skipped, final=True)
+    print(data["body"])
     if opts.append_results:
         record(data)
     return 0
+
+
+def write(
+    runs: list[Run], opts: argparse.Namespace, pack: dict[str, Any], params: dict[str, int],
+    skipped: list[str], *, final: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """hf_trainer.json / .md (and, at the end, the plots) under --out; returns the data."""
+    from benchmarks._results import machine_description
+
+    body, data = summarise(runs, opts, pack, params)
+    if skipped:
+        body += f"\nNot run (past --budget-s {opts.budget_s:.0f}): {', '.join(skipped)}.\n"
+    if not final:
+        body += "\n(partial: the run had not finished)\n"
+    data.update(command=shlex.join(["python", *sys.argv]), load=os.getloadavg(), scale=opts.scale,
+                body=body, machine=machine_description())  # fmt: skip
+    (opts.out / "hf_trainer.json").write_text(json.dumps(data, indent=1))
+    (opts.out / "hf_trainer.md").write_text(body)
+    if final:
+        plot(runs, opts.out, opts)
+    return data
 
 
 def record(data: dict[str, Any]) -> int:
