@@ -12,6 +12,10 @@ STAMP := $(VENV)/.installed
 PYTHON_NEWEST ?= python3.12
 VENV_NEWEST ?= .venv-newest
 STAMP_NEWEST := $(VENV_NEWEST)/.installed
+# torchtitan 0.3 pins datasets<4.8 (through it huggingface-hub<2), which transformers 5.x cannot
+# take: the tests of its adapter get it without dependency resolution, with what its dataloader
+# protocol imports (tests/trainer_shim/test_titan.py; it skips where torchtitan is absent).
+TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 spmd_types==0.2.3 einops safetensors docstring-parser
 # Type-checked packages (pyproject.toml [tool.mypy] holds the settings).
 TYPED := packshard/packers packshard/trainer_shim
 
@@ -23,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH)"
 	echo "$(TORCH)" > $(VENV)/constraints.txt
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python --constraint $(VENV)/constraints.txt -e '.[all,dev]'
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps $(TORCHTITAN)
 	touch $@
 
 # No torch pin here: the newest torch the pins allow (a CUDA build; its tests run on the CPU).

@@ -15,6 +15,8 @@ EXTRAS = {
     "train": ("torch",),
     "kernels": ("torch", "triton"),
     "pack": ("ray", "transformers", "tokenizers", "jinja2", "tqdm"),
+    "hf": ("torch", "transformers", "accelerate"),
+    "torchtitan": ("torch", "torchtitan"),
     "plot": ("matplotlib",),
 }
 
