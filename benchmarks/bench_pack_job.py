@@ -30,7 +30,8 @@ pays too. Both sides tokenize the same samples into the same tokens (checked).
 
 The serial part. The same samples pre-tokenized (the tokens and loss masks of our own output,
 parquet `input_ids` + `loss_mask`), packed with ``--kind input_ids`` on W_max workers at 1x and
-Kx: the job without tokenizing (driver, counting, planning, reading, packing, writing,
+16x (`--serial-scale`; 44M tokens, two shards, so the per-token part stands out of the ~2.5 s
+of fixed cost): the job without tokenizing (driver, counting, planning, reading, packing, writing,
 verifying, commit). The two sizes split it into a fixed cost C and a rate R (tokens/s):
 serial(N) = C + N / R. R / floor(1 worker) must be >= 16 so that 16 workers stay
 tokenizer-bound.
@@ -45,7 +46,7 @@ the load average (1 min) at the start of the runs. `--append-results` records th
 (RESULTS.md section `bench_pack_job`, a history line).
 
 Usage: `.venv/bin/python benchmarks/bench_pack_job.py --repeats 3 --workers 1,2 --scale 4
---append-results` (needs ../shared; ~8 min on an idle 2-core machine).
+--append-results` (needs ../shared; ~10 min on an idle 2-core machine, ~12 at load 4).
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def measure(args: argparse.Namespace, workers: list[int], tmp: Path) -> tuple[Ru
     # Untimed: a reference run gives every sample's tokens (equal floor shares, the
     # pre-tokenized input) and warms the page cache.
     _, _, tokens = run_ours(raw_args(args.shared), tmp / "ref", wmax)
-    lengths, n_pre = write_pretokenized(tmp / "ref", tmp / "pre", args.scale)
+    lengths, n_pre = write_pretokenized(tmp / "ref", tmp / "pre", args.serial_scale)
     if n_pre != tokens:
         raise SystemExit(f"pre-tokenized {n_pre} tokens, the job {tokens}")
     rows = samples(args.shared)
@@ -311,6 +312,7 @@ def measure(args: argparse.Namespace, workers: list[int], tmp: Path) -> tuple[Ru
                 runs.add(runs.floor, (size, n_proc), t)
                 if n != size * tokens:
                     raise SystemExit(f"the floor tokenized {n} tokens, not {size} x {tokens}")
+        for size in sorted({1, args.serial_scale}):
             runs.loads.append(os.getloadavg()[0])
             pre = [
                 a
@@ -376,7 +378,7 @@ def plot(path: Path, floor_rate: float, measured: dict[str, dict[int, float]],
 
 
 def report(
-    runs: Runs, tokens: int, workers: list[int], scale: int, plot_path: Path
+    runs: Runs, tokens: int, workers: list[int], scale: int, serial_scale: int, plot_path: Path
 ) -> tuple[str, dict]:
     sizes = sorted({1, scale})
     job_rows, floor_rows = [], []
@@ -395,18 +397,19 @@ def report(
                                f"{n / med(t) / 1e3:,.0f}k"])  # fmt: skip
     big = scale if scale > 1 else 1
     floor_rate = big * tokens / med(runs.floor[big, 1])  # tokens/s of one process
+    sbig = serial_scale
     serial_fixed, serial_per_token = (
-        fit(tokens, med(runs.serial[1]), big * tokens, med(runs.serial[big]))
-        if big > 1
+        fit(tokens, med(runs.serial[1]), sbig * tokens, med(runs.serial[sbig]))
+        if sbig > 1
         else (0.0, med(runs.serial[1]) / tokens)
     )
     serial_rows = [
         [f"{size}x", f"{size * tokens:,}", ", ".join(f"{x:.2f}" for x in runs.serial[size]),
          f"{med(runs.serial[size]):.2f}", f"{size * tokens / med(runs.serial[size]) / 1e6:.2f}M",
          f"{size * tokens / med(runs.serial[size]) / floor_rate:.1f}x"]
-        for size in sizes
+        for size in sorted({1, sbig})
     ]  # fmt: skip
-    if big > 1:
+    if sbig > 1:
         rate = 1 / serial_per_token
         serial_rows.append(["fit C + N / R", "", "", f"C = {serial_fixed:.2f} s",
                             f"R = {rate / 1e6:.2f}M", f"**{rate / floor_rate:.1f}x**"])  # fmt: skip
@@ -489,6 +492,7 @@ def report(
     data = {
         "tokens": tokens,
         "scale": scale,
+        "serial_scale": serial_scale,
         "job": {f"{k[0]}x/{k[1]}": v for k, v in runs.job.items()},
         "start": {f"{k[0]}x/{k[1]}": v for k, v in runs.start.items()},
         "floor": {f"{k[0]}x/{k[1]}": v for k, v in runs.floor.items()},
@@ -504,14 +508,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,2", help="worker counts for ours and the floor")
-    parser.add_argument("--scale", type=int, default=4, help="K: the large size is K copies")
+    parser.add_argument("--scale", type=int, default=4, help="K: the job's large size, K copies")
+    parser.add_argument(
+        "--serial-scale", type=int, default=16, help="the serial part's large size, in copies"
+    )
     parser.add_argument("--shared", type=Path, default=SHARED)
     parser.add_argument("--plot", type=Path, default=PLOT)
     parser.add_argument("--append-results", action="store_true", help="record in RESULTS.md")
     args = parser.parse_args()
     workers = sorted({int(w) for w in args.workers.split(",")})
-    if args.scale < 1 or args.repeats < 1 or 1 not in workers:
-        parser.error("--scale and --repeats must be >= 1, --workers must include 1")
+    if min(args.scale, args.serial_scale, args.repeats) < 1 or 1 not in workers:
+        parser.error("--scale, --serial-scale, --repeats must be >= 1; --workers must include 1")
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("packshard").setLevel(logging.WARNING)
     os.environ.setdefault("PACKSHARD_NO_PROGRESS", "1")
@@ -523,7 +530,7 @@ def main() -> None:
         runs, tokens = measure(args, workers, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    body, data = report(runs, tokens, workers, args.scale, args.plot)
+    body, data = report(runs, tokens, workers, args.scale, args.serial_scale, args.plot)
     print(body)
     if args.append_results:
         record_result(
