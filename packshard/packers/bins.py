@@ -85,7 +85,7 @@ def _assignment_bfd(lengths: np.ndarray, capacity: int) -> np.ndarray:
                 room = -1
         if room >= 0:
             bucket = rows_with_room[room]
-            row = bucket.pop()  # type: ignore[union-attr]
+            row = bucket.pop()
             if not bucket:
                 w2 = room >> 6
                 nw = words[w2] ^ (1 << (room & 63))
