@@ -253,12 +253,18 @@ def pack_table(
 
 
 def list_parts(arr: pa.ListArray, dtype: type | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a list array as numpy; offsets index into values (slices respected)."""
+    """(offsets, values) of a list array as numpy, offsets from 0 into values.
+
+    Only the array's own values are converted: a slice (a record batch of a few rows cut from
+    a larger one, as the shard writer makes) shares its parent's values buffer, and converting
+    all of it for every slice cost 0.9 s of a 2.1 s 33M-token shard write.
+    """
     offsets = arr.offsets.to_numpy().astype(np.int64)
-    values = arr.values.to_numpy(zero_copy_only=False)
+    start, stop = (int(offsets[0]), int(offsets[-1])) if offsets.size else (0, 0)
+    values = arr.values.slice(start, stop - start).to_numpy(zero_copy_only=False)
     if dtype is not None:
         values = values.astype(dtype, copy=False)
-    return offsets, values
+    return offsets - start, values
 
 
 def row_index_stats(batch: pa.RecordBatch) -> dict[str, np.ndarray]:

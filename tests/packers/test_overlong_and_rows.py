@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -15,6 +17,7 @@ from packshard.packers import (
     row_index_stats,
     row_problems,
 )
+from packshard.packers.rows import list_parts
 
 
 @given(n=st.integers(0, 10_000), m=st.integers(1, 64))
@@ -223,3 +226,15 @@ def test_rows_without_source_mask_have_loss_on_every_token(lens, mult):
         n = row["num_tokens"]
         assert row["loss_mask"] == [True] * n + [False] * (len(row["input_ids"]) - n)
         assert row["num_loss_tokens"] == n
+
+
+@pytest.mark.parametrize(("start", "length"), [(0, 4), (1, 3), (3, 1), (2, 0), (1, 1)])
+def test_list_parts_of_a_slice_hold_only_its_own_values(start: int, length: int):
+    lists = [[1, 2], [3], [], [4, 5, 6]]
+    arr = pa.array(lists, pa.list_(pa.int32())).slice(start, length)
+    offsets, values = list_parts(arr, np.int64)
+    assert offsets[0] == 0 and values.dtype == np.int64
+    assert [values[a:b].tolist() for a, b in itertools.pairwise(offsets)] == (
+        lists[start : start + length]
+    )
+    assert values.size == sum(len(x) for x in lists[start : start + length])
