@@ -58,8 +58,9 @@ def mosaic_sweep(rows: int, remote: bool) -> list[dict]:
     if remote:
         configs += [
             {"mds": "8MiB", "batch_size": 8, "predownload": rows, "num_workers": 2},
-            # the smallest cache Mosaic accepts is 4 shards; 8 MiB shards make it bite
-            {"mds": "8MiB", "batch_size": 1, "predownload": rows, "cache_limit": 4 << 23},
+            # the smallest cache Mosaic accepts is 4 shards; 8 MiB shards make it bite (reading
+            # the whole epoch ahead under it evicts what is about to be read: it hung here once)
+            {"mds": "8MiB", "batch_size": 1, "predownload": 64, "cache_limit": 4 << 23},
         ]
     return configs
 
@@ -91,10 +92,25 @@ def ensure_mosaic_venv() -> Path:
     return py
 
 
-def _run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1800
-    )
+RUN_TIMEOUT = 300  # seconds; an epoch takes ~0.1-1 s
+
+
+def _run_json(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT
+) -> dict:
+    """The JSON line a runner prints; a run past `timeout` reads as 0 rows (`timed_out`)."""
+    try:
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {
+            "rows": 0,
+            "tokens": 0,
+            "seconds": timeout,
+            "timed_out": True,
+            "load": os.getloadavg()[0],
+        }
     if out.returncode:
         raise RuntimeError(
             f"{' '.join(cmd[:3])} ... failed ({out.returncode}):\n{out.stderr[-3000:]}"
@@ -108,7 +124,7 @@ def mosaic_write(py: Path, raw: Path, out: Path, size_limit: int) -> dict:
 
 def mosaic_read(
     py: Path, local: Path, config: dict, *, remote: str | None = None, build: bool = False,
-    endpoint: str | None = None,
+    endpoint: str | None = None, timeout: float = RUN_TIMEOUT,
 ) -> dict:  # fmt: skip
     knobs = {k: v for k, v in config.items() if k != "mds"}
     cmd = [
@@ -124,7 +140,7 @@ def mosaic_read(
         cmd += ["--remote", remote]
     if build:
         cmd.append("--build")
-    return _run_json(cmd, {**S3_ENV, "S3_ENDPOINT_URL": endpoint} if endpoint else None)
+    return _run_json(cmd, {**S3_ENV, "S3_ENDPOINT_URL": endpoint} if endpoint else None, timeout)
 
 
 def ours_read(url: str, *, storage_options: dict | None = None, **kw: object) -> dict:

@@ -57,6 +57,7 @@ from packshard.trainer_shim.planning import StepPlanner, step_imbalance  # noqa:
 from packshard.trainer_shim.synthetic import synthetic_table  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
+SWEEP_TIMEOUT = 120  # seconds for one Mosaic configuration's epoch in the sweep
 
 # ---- the length mix -------------------------------------------------------------------------
 
@@ -271,14 +272,15 @@ def sweep_mosaic(
 
         def job(c: dict, where: str = where) -> Callable[[int], dict]:
             if where == "local":
-                return lambda rep: mosaic_read(py, mds[c["mds"]], c)
+                return lambda rep: mosaic_read(py, mds[c["mds"]], c, timeout=SWEEP_TIMEOUT)
             cache = work / "sweep-cache"
 
             def remote(rep: int) -> dict:
                 shutil.rmtree(cache, ignore_errors=True)
                 return mosaic_read(
-                    py, cache, c, remote=f"s3://bench/mds-{c['mds']}", endpoint=server.endpoint
-                )
+                    py, cache, c, remote=f"s3://bench/mds-{c['mds']}", endpoint=server.endpoint,
+                    timeout=SWEEP_TIMEOUT,
+                )  # fmt: skip
 
             return remote
 
@@ -290,9 +292,13 @@ def sweep_mosaic(
         for c in configs:
             name = describe(c)
             if name not in rates:
-                table.append(
-                    [where, name, f"excluded: reads {res[name][-1]['rows']} rows, not {rows}", ""]
+                last = res[name][-1]
+                why = (
+                    f"timed out ({SWEEP_TIMEOUT} s)"
+                    if last.get("timed_out")
+                    else f"reads {last['rows']} rows, not {rows}"
                 )
+                table.append([where, name, f"excluded: {why}", ""])
             else:
                 table.append(
                     [where, name, f"{rates[name]:,.0f}", "best" if c is best[where] else ""]

@@ -1,10 +1,10 @@
 """One shard file read by rows: memory-mapped through pyarrow when local, by byte ranges when
 remote; either way checked against the manifest before a row comes out.
 
-`open_shard(fs, path, where, entry)` returns a `LocalShard` or a `RemoteShard`. Both give a
-record batch's list columns as numpy (`BatchArrays`: offsets and values, the loss mask as its
-bits), and `BatchArrays.row(i)` one row's (input_ids, loss_mask, doc_lens, sample_ids) as views,
-the mask unpacked (~2 µs a row at 8K tokens).
+`LocalShard` (memory-mapped) and `RemoteShard` (any fsspec filesystem) give a record batch's
+list columns as numpy (`BatchArrays`: offsets and values, the loss mask as its bits), and
+`BatchArrays.row(i)` one row's (input_ids, loss_mask, doc_lens, sample_ids) as views, the mask
+unpacked (~2 µs a row at 8K tokens).
 
 Checks, each a `FormatError` naming the file: the schema is v1's; the record batches are as many
 as the manifest's `rows` and `rows_per_batch` need (all but the last exactly `rows_per_batch`
@@ -12,12 +12,13 @@ rows; without `rows_per_batch` their lengths must sum to `rows`); a batch's offs
 inside its values and input_ids and loss_mask have the same row lengths. Row contents are
 checked against index.arrow's row checksums by the caller (`ShardDataset`).
 
-A `RemoteShard` reads a row's tokens and nothing else: per record batch, once, the message
+A `RemoteShard` reads a row's tokens and little else: per record batch, once, the message
 metadata and the small buffers (offsets, the loss-mask bits, doc_lens, sample_ids: ~3% of the
-batch at 8K tokens a row), then per row one range request of its input_ids. `fetch` takes many
-rows at once and merges ranges less than `MAX_GAP` apart (a request costs about what 1 MiB
-costs to transfer from object storage; Arrow's S3 reader merges on the same principle), so a
-window of rows dense in a batch costs one request, sparse rows one request each.
+batch at 8K tokens a row), then per row one range request of its input_ids. `fetch` takes a
+window of rows at once and merges ranges less than `MAX_GAP` apart (a request costs about what
+1 MiB costs to transfer from object storage; Arrow's S3 reader merges on the same principle),
+so sparse rows cost a request each and rows dense in a batch one request; a batch whose wanted
+rows hold `DENSE` of its bytes is read whole in one request (one round trip instead of two).
 """
 
 from __future__ import annotations
@@ -41,14 +42,12 @@ from packshard.packers.format import (
 from packshard.packers.manifest import ShardEntry
 
 LIST_COLUMNS = ("input_ids", "loss_mask", "doc_lens", "sample_ids")
-_DTYPES = {"input_ids": np.int32, "doc_lens": np.int32, "sample_ids": np.int64}
 MAX_GAP = 1 << 20  # merge range requests closer than this
 MAX_RANGE = 32 << 20  # but do not grow one past this
 DENSE = 0.25  # a batch whose wanted rows hold this share of its bytes is read whole
 TAIL_READ = 64 << 10  # first guess at footer + tail bytes
-Row = tuple[
-    np.ndarray, np.ndarray, np.ndarray, np.ndarray
-]  # ids, mask (bool), doc_lens, sample_ids
+# one row: input_ids (int32), loss_mask (bool), doc_lens (int32), sample_ids (int64)
+Row = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """A size-bounded local cache of whole shards, for remote datasets (s3://, gs://, ...).
 
-Without a cache, a rank range-reads the record batches that hold its rows straight from the
-object store: no local disk, but a shuffled row costs a read of its whole record batch (~4 MiB
-by the writer's rule), so an epoch reads about rows_per_batch times the rank's data. With a
-cache, the first use of a shard downloads the whole file once, checks it against the
-manifest's checksum (a mismatch raises `FormatError` naming the shard and nothing is kept),
-and later reads memory-map the local copy. When the cache would pass `limit_bytes`, the least
+Without a cache, a rank reads its rows straight from the object store by range requests of
+only their bytes (packers.shard_file: ~1x the rank's data, one request per row or per run of
+nearby rows, plus ~3% of each record batch touched). With a cache, the first use of a shard
+downloads the whole file once, in 32 MiB range requests four at a time, checks it against the
+manifest's checksum (a mismatch raises `FormatError` naming the shard and nothing is kept), and
+later reads memory-map the local copy: worth it when a rank reads the dataset more than once
+or the store charges per request. When the cache would pass `limit_bytes`, the least
 recently used shards not being read at that moment are deleted (a read holds a `lease` on its
 shard; at most `read_threads` shards are leased at once, so the bound holds whenever the limit
 is at least that many shards).

@@ -142,6 +142,13 @@ class PackedShardStream:
     rank's queries), and ints ``num_tokens``, ``num_loss_tokens``, ``padded_len``,
     ``attn_cost`` (whole row), ``step``, ``micro_step``, ``num_micro_steps``, ``epoch``,
     ``row`` (index.arrow position, -1 for a filler). Conventions: trainer_shim.microbatch.
+
+    Reading: `prefetch` rows (at least a step's micro-batches) are read per window, two windows
+    ahead, shards of a window on `read_threads` threads; from a remote dataset without
+    `cache_dir`, a window holds `read_ahead_bytes` of rows (64 MiB) so that nearby rows share a
+    request. `verify=False` skips the row checksums. Every problem with the dataset is a
+    `packers.FormatError` naming the file (`DatasetNotFoundError` without a dataset at `url`,
+    `StorageError` when the store fails).
     """
 
     def __init__(
