@@ -447,6 +447,7 @@ def write(
     if not final:
         body += "\n(partial: the run had not finished)\n"
     data.update(command=shlex.join(["python", *sys.argv]), load=os.getloadavg(), scale=opts.scale,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 body=body, machine=machine_description())  # fmt: skip
     (opts.out / "hf_trainer.json").write_text(json.dumps(data, indent=1))
     (opts.out / "hf_trainer.md").write_text(body)
@@ -456,17 +457,13 @@ def write(
 
 
 def record(data: dict[str, Any]) -> int:
-    from benchmarks._results import record_result
+    """Make a saved run (`--out`'s hf_trainer.json) the benchmark's RESULTS.md section, with the
+    run's own date, machine and load (not the recording machine's)."""
+    from benchmarks._results import record_saved
 
-    title = f"HF Trainer / TRL head to head ({data['scale']} scale, load {data['load'][0]:.1f})"
-    record_result(
-        "hf_trainer",
-        title,
-        data["body"],
-        data=data,
-        command=data["command"],
-        machine=data["machine"],
-    )
+    saved = {**data, "markdown": data["body"], "load": [round(x, 2) for x in data["load"]]}
+    record_saved(saved, "hf_trainer", f"HF Trainer / TRL head to head ({data['scale']} scale)",
+                 "hf_trainer.json from `bench.py --out`")  # fmt: skip
     return 0
 
 
