@@ -88,7 +88,7 @@ def partition_balanced(
     if n == 0 or num_parts == 1:
         return np.zeros(n, dtype=np.int64)
     order = np.argsort(-arr, kind="stable")
-    best, best_max = None, np.inf
+    best, best_max = np.zeros(0, dtype=np.int64), np.inf
     for start in (
         _lpt(arr, order, num_parts),
         _snake(order, num_parts),

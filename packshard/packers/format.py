@@ -25,10 +25,13 @@ import posixpath
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 FORMAT_NAME = "packshard"
 FORMAT_VERSION = 1
@@ -159,7 +162,7 @@ def check_relative_path(path: Any, where: str) -> str:
 
 
 class _Hasher(Protocol):
-    def update(self, data: bytes, /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
     def hexdigest(self) -> str: ...
 
 

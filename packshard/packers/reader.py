@@ -363,7 +363,7 @@ def _row_digest(row: Row) -> int:
     contiguous int32 / bool / int32 / int64 (rows.row_checksum copies each to bytes first)."""
     h = xxhash.xxh3_64()
     for part in row:
-        h.update(part.view(np.uint8) if part.dtype == np.bool_ else part)
+        h.update((part.view(np.uint8) if part.dtype == np.bool_ else part).data)
     return h.intdigest()
 
 

@@ -9,6 +9,8 @@ loss_mask has input_ids' length and num_loss_tokens counts it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pyarrow as pa
 
@@ -31,7 +33,7 @@ def row_problems(
     n = batch.num_rows
     problems: list[str] = []
 
-    def flag(bad: np.ndarray, what: str) -> None:
+    def flag(bad: np.ndarray, what: str | Callable[[int], str]) -> None:
         for i in np.flatnonzero(bad)[: MAX_MESSAGES - len(problems)]:
             problems.append(f"row {first_row + int(i)}: {what(int(i)) if callable(what) else what}")
 

@@ -41,7 +41,7 @@ class Topology:
         """Global rank under the CP-innermost layout."""
         return self.dp_rank * self.cp_size + self.cp_rank
 
-    def as_kwargs(self) -> dict[str, int]:
+    def as_kwargs(self) -> dict[str, Any]:
         """dp_rank, dp_size, cp_rank, cp_size: ``PackedShardStream(url, **topo.as_kwargs(), ...)``."""
         return {
             "dp_rank": self.dp_rank,
