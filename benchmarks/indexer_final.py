@@ -335,7 +335,10 @@ def final_markdown(result: dict[str, Any]) -> str:
 def append_final_results(path: Path) -> str:
     """Record a final run (its indexer_final.json) as bench_indexer_final's latest result."""
     return record_saved_result(
-        path, "bench_indexer_final", TITLE, "indexer_final.json that `bench_indexer.py --final` wrote"
+        path,
+        "bench_indexer_final",
+        TITLE,
+        "indexer_final.json that `bench_indexer.py --final` wrote",
     )
 
 

@@ -29,8 +29,12 @@ def test_packshard_and_trl_tokenize_the_mix_alike(shared_data: Path, tmp_path: P
     pick += [i for i, r in enumerate(records) if any("tool_calls" in m for m in r["messages"])][
         -3:
     ]  # SWE
-    pick += [i for i, r in enumerate(records) if "<think>" in r["messages"][-1]["content"]][:2]  # OpenMath
-    pick += [i for i, r in enumerate(records) if r["messages"][0]["content"] == "Continue the text."][::20]
+    pick += [i for i, r in enumerate(records) if "<think>" in r["messages"][-1]["content"]][
+        :2
+    ]  # OpenMath
+    pick += [
+        i for i, r in enumerate(records) if r["messages"][0]["content"] == "Continue the text."
+    ][::20]
     pick += [0, 8792, 9791, 9800]  # GSM8K, Alpaca, OASST
     sample = [records[i] for i in sorted(set(pick))]
     jsonl = tmp_path / "mix.jsonl"

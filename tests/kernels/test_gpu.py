@@ -14,7 +14,6 @@ from packshard.kernels import (
     FIXED_LOGITS_CONFIG,
     IndexerConfig,
     LogitsConfig,
-    TopkConfig,
     fp8_indexer_logits,
     fp8_indexer_topk,
     indexer_topk_prepared,
@@ -25,9 +24,9 @@ from packshard.kernels import (
     reference_topk,
     topk_rows_torch,
 )
+from packshard.kernels.ballot import BALLOT_BLOCKS, _ballot_positions
 from packshard.kernels.logits import launch_logits
 from packshard.kernels.order import finish_topk, order_topk
-from packshard.kernels.ballot import BALLOT_BLOCKS, _ballot_positions
 from packshard.kernels.topk import TopkWorkspace
 from tests.kernels._cases import exact_inputs, packed_ranges, random_inputs
 

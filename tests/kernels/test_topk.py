@@ -6,8 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from packshard.kernels import (
     FIXED_CONFIG,
@@ -158,9 +156,7 @@ def test_rerank_and_fallback_paths_agree(kernel: dict, device: str) -> None:
     assert SMALL_TOPK.max_passes == 3
 
 
-@pytest.mark.parametrize(
-    "fast", [{}, {"compact": "ballot", "block": 128}], ids=["scan", "ballot"]
-)
+@pytest.mark.parametrize("fast", [{}, {"compact": "ballot", "block": 128}], ids=["scan", "ballot"])
 def test_one_row_programs_and_unaligned_rows_agree(fast: dict, device: str) -> None:
     # The GPU geometry of the select (one row a program) and both load paths: the
     # indexer's 16-aligned chunk rows (vector loads of whole 16-score groups, scores outside
