@@ -33,15 +33,10 @@ Timings are wall time plus this process's user and system CPU time: on the share
 machine (load 5-8) wall time is ~2-3x CPU time and swings 2x between repeats, so compare the
 CPU columns; system time is mostly page faults on freshly allocated memory.
 
-History (2026-12-02, this 2-core machine; RESULTS.md): the first version built rows with
-per-token int64 index arrays (~5 GB of temporaries for 147M tokens) and ran at 0.9x (a) and
-0.4x (b) TRL's samples/s. With the C planners and one memcpy per document into pooled buffers:
-37.5x (a) and 27.1x (b), the copy then running at one core's memory bandwidth (~10 GB/s).
-Streaming stores (no read-for-ownership of the rows) and, above 64 MiB of tokens, the copy
-split over up to 4 threads (`packers.rows.copy_threads`; 2 here, the pack job's workers use 1):
-46x (a) and 50x (b) by wall time, 32x and 31x by CPU time. Fill: our bfd 17,438 rows for a
-lower bound of 17,436 at 8192 (99.99%) against TRL's default 17,544 (99.38%); 1,067 = the bound
-at 131072 against TRL's 1,078. Planning 1M samples (bfd): ~0.5 s.
+Rows are planned in numpy and built with one copy per document into pooled buffers (pure
+Python and numpy: the C planners and the threaded copy of earlier runs are gone, as the pack job
+did not gain from them). The latest result is RESULTS.md's `bench_packers` section; earlier runs,
+with the C path, are in `history/bench_packers.jsonl`.
 
 Usage: `python benchmarks/bench_packers.py` (all scenarios, appends to RESULTS.md);
 `--quick` for a small smoke run; `--scenarios a,b,plan`; `--no-append`.
