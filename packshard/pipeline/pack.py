@@ -228,50 +228,80 @@ def _cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
+def _start_counting(cfg: PackConfig, files: list[InputFile]) -> InputCounter:
+    """Count the inputs on Ray, after one `warm_up` task per worker the job will use."""
+    from packshard.pipeline.scheduler import InputCounter
+
+    cpus = _cluster_cpus()
+    return InputCounter(
+        files, cfg.storage_options, 2 * cpus, warm_workers=min(cfg.num_workers or cpus, cpus)
+    )
+
+
+def _cluster_is_up() -> bool:
+    """True when this process is connected to Ray or is a job of a cluster (``RAY_ADDRESS``).
+    Looking costs nothing: Ray is never imported here (a process that has not imported it
+    cannot be connected)."""
+    ray = sys.modules.get("ray")
+    return bool(os.environ.get("RAY_ADDRESS")) or (ray is not None and ray.is_initialized())
+
+
 def run(cfg: PackConfig) -> int:
     """Run the job for a validated config (raises the errors `main` reports).
 
-    Every check that needs no Ray runs first (`preflight`, then the tokenizer and the output's
-    state), so a user error never waits for Ray; only a job with work to do starts it.
+    Every check that needs no Ray runs first (`preflight`), so a user error never waits for
+    Ray. On a running cluster (``ray job submit``, or a caller's ``ray.init``) the driver then
+    connects and starts counting the inputs and warming the workers (their imports) while it
+    loads and checks the tokenizer: at 2 workers on 2.8M tokens that hides ~0.5-1 s of the
+    job's ~3 s. A local Ray starts only once the tokenizer and the output's state are checked
+    too, and only for a job with work to do.
     """
     t0 = time.perf_counter()
     phase = _Phases()
     checked = preflight(cfg)
     phase(f"checked the output, {len(checked.files)} input file(s) and the tokenizer")
-    tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
-    phase("loaded the tokenizer")
     fs, root, files = checked.fs, checked.root, checked.files
-    config = cfg.dataset_config(
-        tokenizer=tokenizer.info,
-        pad_token_id=tokenizer.pad_token_id,
-        inputs=[f.identity() for f in files],
-    )
-    state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
-    if state.status == "complete":
-        print(
-            f"packshard pack: {redact_url(cfg.output)} already holds this dataset (same inputs and config); nothing to do"
-        )
-        print(_stats_text(cfg.output, cfg.storage_options))
-        return 0
-    import ray
-
-    from packshard.pipeline.scheduler import InputCounter, StopFlag
-
-    started, counter = start_ray(cfg), None
+    started, counter = False, None
     try:
-        phase("joined the Ray cluster" if os.environ.get("RAY_ADDRESS") else "started a local Ray")
+        if _cluster_is_up():
+            started, counter = start_ray(cfg), _start_counting(cfg, files)
+            phase("joined the Ray cluster; counting the inputs and warming the workers")
+        tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
+        phase("loaded the tokenizer")
+        config = cfg.dataset_config(
+            tokenizer=tokenizer.info,
+            pad_token_id=tokenizer.pad_token_id,
+            inputs=[f.identity() for f in files],
+        )
+        state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
+        if state.status == "complete":
+            print(
+                f"packshard pack: {redact_url(cfg.output)} already holds this dataset (same inputs and config); nothing to do"
+            )
+            print(_stats_text(cfg.output, cfg.storage_options))
+            return 0
+        from packshard.pipeline.scheduler import StopFlag
+
+        if counter is None:
+            started = start_ray(cfg)
+            phase("started a local Ray")
         stop = StopFlag()
         with stop_on_signals(stop):
             if state.status == "resume":  # the plan holds the counts
                 assert state.plan is not None
                 files = resumed_files(files, state.plan)
-            else:
-                counter = InputCounter(files, cfg.storage_options, 2 * _cluster_cpus())
+                if counter is not None:
+                    counter.cancel()
+                counter = None
+            elif counter is None:
+                counter = _start_counting(cfg, files)
             job = _pack(cfg, fs, root, files, counter, tokenizer, config, state, stop, phase, t0)
     finally:
         if counter is not None:
             counter.cancel()  # no-op once counted; stops counting when the job ends early
         if started:
+            import ray
+
             ray.shutdown()
     print(
         format_summary(

@@ -54,6 +54,7 @@ from packshard.pipeline.tasks import (
     check_shard,
     pack_shard,
     tokenize_block,
+    warm_up,
 )
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ count_remote = ray.remote(num_cpus=1, max_retries=3)(count_records)
 tokenize_remote = ray.remote(num_cpus=1, max_retries=3, num_returns=2)(tokenize_block)
 pack_remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ShardVerifyError])(pack_shard)
 check_remote = ray.remote(num_cpus=1, max_retries=3)(check_shard)
+warm_remote = ray.remote(num_cpus=1, max_retries=0)(warm_up)
 
 WAIT_S = 0.25
 NOMINAL_RECORD_BYTES = 1024  # block sizing of inputs without a byte size (demo://)
@@ -143,15 +145,24 @@ class StopFlag:
 
 class InputCounter:
     """Counts the input files on Ray (one task per file, at most `max_in_flight` at once).
-    Counting needs no tokenizer, so the driver starts it as soon as Ray is up and loads the
-    tokenizer meanwhile."""
+    Counting needs no tokenizer, so the driver starts it as soon as it is connected to Ray and
+    loads the tokenizer meanwhile. With `warm_workers`, that many `warm_up` tasks go first, so
+    as many worker processes import the tokenizing code while the driver is still busy (on a
+    fresh Ray at 2 workers, ~0.3-0.6 s of each worker's first block)."""
 
-    def __init__(self, files: list[InputFile], storage_options: Any, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        files: list[InputFile],
+        storage_options: Any,
+        max_in_flight: int,
+        warm_workers: int = 0,
+    ) -> None:
         self.files = list(files)
         self.storage_options = storage_options
         self.max_in_flight = max(1, max_in_flight)
         self.todo = [i for i, f in enumerate(files) if f.records < 0]
         self.pending: dict[Any, int] = {}
+        self.warming = [warm_remote.remote() for _ in range(warm_workers)]
         self._submit()
 
     def _submit(self) -> None:
@@ -173,8 +184,11 @@ class InputCounter:
     def cancel(self) -> None:
         for ref in self.pending:
             ray.cancel(ref, force=True)
+        for ref in self.warming:  # importing modules: interrupted, the worker process is kept
+            ray.cancel(ref)
         self.pending.clear()
         self.todo.clear()
+        self.warming.clear()
 
 
 def check_kept(
