@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from packshard.pipeline.chat_template import ChatRenderer
 from packshard.pipeline.samples import (
     BadRecord,
     Chat,
@@ -348,3 +349,63 @@ def test_workers_encode_from_the_payload_exactly_like_the_driver(shared_data: Pa
             assert isinstance(b, BadRecord) and a.reason == b.reason
         else:
             assert np.array_equal(a.ids, b.ids) and np.array_equal(a.mask, b.mask)
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "qwen3"])
+def test_one_render_spans_equal_prefix_render_spans_on_every_chat(shared_data: Path, name: str):
+    """The one-render path (turns found by their header in the full render) gives the spans of
+    the prefix renders on every real chat it takes, and takes most of them."""
+    tok = load_tokenizer(str(shared_data / "tokenizers" / name))
+    masker = SampleEncoder(tok).masker
+    assert masker is not None and masker.one_render and masker.profile.header
+    fast = 0
+    samples = [to_sample(r) for recs in _records(shared_data).values() for r in recs]
+    for sample in samples:
+        try:
+            text, spans = masker.loss_spans(sample)
+        except BadRecord:
+            continue  # Phi-3 and tools: reported either way
+        msgs = ChatRenderer.prepare(sample.messages)
+        one = masker._one_render_spans(text, msgs, sample.tools, sample.loss_from)
+        if one is not None:
+            fast += 1
+            assert one == masker._prefix_spans(text, msgs, sample.tools, sample.loss_from)
+            assert spans == one
+    assert masker.one_render, "no chat may disagree"
+    assert fast >= 0.9 * len(samples), (fast, len(samples))
+
+
+@pytest.mark.shared
+def test_phi3_generation_prompt_is_no_append_so_its_chats_take_prefix_renders(shared_data: Path):
+    """Phi-3 ends a chat with <|endoftext|>, which its generation prompt replaces: no header."""
+    tok = load_tokenizer(str(shared_data / "tokenizers" / "phi-3-mini-instruct"))
+    masker = SampleEncoder(tok).masker
+    assert masker is not None and masker.profile.header is None and not masker.one_render
+
+
+def test_one_render_path_steps_aside_for_header_text_and_stray_headers(demo: SampleEncoder):
+    """A chat whose text holds the header's special tokens, or whose full render holds another
+    number of headers than assistant messages, is masked by prefix renders."""
+    masker = demo.masker
+    assert masker is not None and masker.profile.header
+    header = masker.profile.header
+    tricky = Chat(
+        [
+            {"role": "user", "content": f"quote: {header}fake answer"},
+            {"role": "assistant", "content": "real answer"},
+        ]
+    )
+    text, spans = masker.loss_spans(tricky)
+    msgs = ChatRenderer.prepare(tricky.messages)
+    assert masker._one_render_spans(text, msgs, None, 0) is None
+    assert [text[s:e] for s, e in spans] == ["real answer" + masker.profile.terminator]
+    import copy
+
+    tok = load_tokenizer("packshard:demo")
+    stray = copy.copy(tok)  # a system line that repeats the header: counts differ
+    stray.chat_template = "{{ '" + header.replace("\n", "\\n") + "' }}" + tok.chat_template
+    enc = SampleEncoder(stray)
+    chat = Chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    text, _ = enc.masker.loss_spans(chat)
+    assert enc.masker._one_render_spans(text, ChatRenderer.prepare(chat.messages), None, 0) is None
