@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,3 +93,21 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
             raise AssertionError(f"the process exited ({proc.returncode}) before {what}")
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_port_flags() -> list[str]:
+    """`ray start` flags giving this node its own free ports where Ray has fixed defaults
+    (dashboard agent 52365, metrics export, ray client 10001, runtime env agent): two nodes on one
+    machine (another test's, another user's) would otherwise collide, and a head whose dashboard
+    agent cannot bind its port never takes a job ("No available agent to submit job")."""
+    flags = []
+    for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                 "--metrics-export-port", "--runtime-env-agent-port"):  # fmt: skip
+        flags += [flag, str(free_port())]
+    return flags

@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,8 +29,10 @@ from packshard.pipeline.verify import verify_dataset
 from tests.integration._procs import (
     BIN,
     REPO,
+    free_port,
     kill_processes_using,
     pack_env,
+    ray_port_flags,
     ray_tmpdir,
     start,
     stop_group,
@@ -49,12 +50,6 @@ def _lacks_dependencies(python: Path) -> bool:
     probe = "import importlib.util as u; print(all(u.find_spec(m) for m in ('pyarrow', 'ray')))"
     r = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60)
     return r.stdout.strip() != "True"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _jobs_api_up(address: str, env: dict[str, str]) -> bool:
@@ -80,7 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         (other / "python").symlink_to(BASE_PYTHON)
         path = [p for p in env["PATH"].split(os.pathsep) if Path(p) != BIN]
         head_env = {**env, "PATH": os.pathsep.join([str(other), *path])}
-        gcs, dash = _free_port(), _free_port()
+        gcs, dash = free_port(), free_port()
         head = start(
             [
                 str(BIN / "ray"),
@@ -100,6 +95,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                 "--temp-dir",
                 rt,
                 "--disable-usage-stats",
+                "--ray-client-server-port",
+                str(free_port()),
+                *ray_port_flags(),
             ],
             head_env,
             log,

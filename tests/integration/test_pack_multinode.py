@@ -16,7 +16,6 @@ import contextlib
 import json
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,8 +28,10 @@ import pytest
 from packshard.pipeline.verify import verify_dataset
 from tests.integration._procs import (
     BIN,
+    free_port,
     kill_processes_using,
     pack_env,
+    ray_port_flags,
     ray_tmpdir,
     start,
     wait_for,
@@ -48,12 +49,6 @@ JOB_ARGS = [
 ]  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
     """A head and two worker nodes; `workers[name]` is (process, temp dir) of node `name`."""
 
@@ -62,12 +57,12 @@ class Cluster:
         self.env = pack_env(
             self.head_tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), **HEALTH
         )
-        self.gcs = f"127.0.0.1:{_free_port()}"
+        self.gcs = f"127.0.0.1:{free_port()}"
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
         self.head = self._start("head", self.head_tmp, "--head", "--port", self.gcs.split(":")[1],
                                 "--num-cpus", "0", "--include-dashboard", "false",
-                                "--ray-client-server-port", str(_free_port()))  # fmt: skip
+                                "--ray-client-server-port", str(free_port()))  # fmt: skip
         self.workers: dict[str, tuple[subprocess.Popen, str]] = {}
         for name in ("a", "b"):
             tmp = stack.enter_context(ray_tmpdir())
@@ -81,8 +76,7 @@ class Cluster:
     def _start(self, name: str, tmp: str, *args: str) -> subprocess.Popen:
         cmd = [
             str(BIN / "ray"), "start", "--block", "--temp-dir", tmp, "--disable-usage-stats",
-            "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
-            *args,
+            *ray_port_flags(), *args,
         ]  # fmt: skip
         proc = start(cmd, {**self.env, "RAY_TMPDIR": tmp}, self.logs / f"{name}.log")
         self.procs.append(proc)
