@@ -45,7 +45,7 @@ demo: $(STAMP)
 test: lint typecheck test-suite test-newest
 
 test-suite: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 test-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -c "import numpy, pyarrow, transformers, torch, sys; print('newest:', sys.version.split()[0], 'numpy', numpy.__version__, 'pyarrow', pyarrow.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
