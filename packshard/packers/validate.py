@@ -71,19 +71,26 @@ def row_problems(
     if problems:
         return problems  # the checks below assume consistent lengths
 
-    # padding region: positions >= num_tokens inside each row
-    row_of_tok = np.repeat(np.arange(n), padded)
-    pos = np.arange(ids_off[-1] - ids_off[0]) - np.repeat(ids_off[:-1] - ids_off[0], padded)
-    is_pad = pos >= np.repeat(num_tokens, padded)
+    # Only the padding is visited: the last padded - num_tokens (< pad_multiple) positions of
+    # each row; loss counts come from one prefix sum. (Per-token row and position arrays, three
+    # np.repeat passes over every token, took 0.12-0.27 s of an 11M-token shard's write; this
+    # takes 0.04 s.)
+    rel = ids_off - ids_off[0]
     tok = ids[ids_off[0] : ids_off[-1]]
     m = mask[mask_off[0] : mask_off[-1]]
+    pad_len = padded - num_tokens
+    pad_rows = np.repeat(np.arange(n), pad_len)
+    first = np.cumsum(pad_len) - pad_len  # each row's first entry in pad_rows
+    pad_at = np.repeat(rel[:-1] + num_tokens - first, pad_len) + np.arange(pad_rows.size)
     bad_pad = np.zeros(n, bool)
-    bad_pad[row_of_tok[is_pad & (tok != pad_token_id)]] = True
+    bad_pad[pad_rows[tok[pad_at] != pad_token_id]] = True
     flag(bad_pad, f"padding holds a token other than pad_token_id {pad_token_id}")
     bad_mask = np.zeros(n, bool)
-    bad_mask[row_of_tok[is_pad & m]] = True
+    bad_mask[pad_rows[m[pad_at]]] = True
     flag(bad_mask, "loss_mask is true on padding")
-    loss_count = np.bincount(row_of_tok, weights=m, minlength=n).astype(np.int64)
+    csum = np.zeros(int(rel[-1]) + 1, dtype=np.int64)
+    np.cumsum(m, out=csum[1:])
+    loss_count = csum[rel[1:]] - csum[rel[:-1]]
     flag(
         loss_count != num_loss,
         lambda i: f"num_loss_tokens {num_loss[i]} but loss_mask counts {loss_count[i]}",
