@@ -8,8 +8,10 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DEMO_OUT ?= demo_out
 STAMP := $(VENV)/.installed
-# The GPU image's Python (3.12), where numpy 2.5 and the newest releases install.
-PYTHON_NEWEST ?= python3.12
+# The GPU image's Python (3.12), where numpy 2.5 and the newest releases install: python3.12 on
+# PATH where it runs, otherwise pyenv's 3.12 (its shim answers only when 3.12 is pyenv's selected
+# version, which CI's is not).
+PYTHON_NEWEST ?= $(firstword $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo $$p; done))
 VENV_NEWEST ?= .venv-newest
 STAMP_NEWEST := $(VENV_NEWEST)/.installed
 # torchtitan 0.3 pins datasets<4.8 (through it huggingface-hub<2), which transformers 5.x cannot
@@ -32,6 +34,7 @@ $(STAMP): pyproject.toml Makefile
 
 # No torch pin here: the newest torch the pins allow (a CUDA build; its tests run on the CPU).
 $(STAMP_NEWEST): pyproject.toml Makefile
+	@test -n "$(PYTHON_NEWEST)" || { echo "make test-newest needs Python 3.12: put python3.12 on PATH, install it with pyenv, or pass PYTHON_NEWEST=/path/to/python3.12"; exit 1; }
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
 	$(VENV_NEWEST)/bin/pip install -q --upgrade pip uv
 	$(VENV_NEWEST)/bin/uv pip install -q --upgrade --python $(VENV_NEWEST)/bin/python -e '.[all,dev]'
