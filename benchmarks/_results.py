@@ -188,15 +188,6 @@ def _write(entry: dict) -> None:
             h.write(line + "\n")
 
 
-def append_result(
-    title: str, body: str, *, command: str | None = None, machine: str | None = None
-) -> None:
-    """`record_result` under the running script's name (bench_stream.py -> "bench_stream").
-
-    Kept only for bench_stream.py and bench_pack_job.py until they call `record_result`."""
-    record_result(Path(sys.argv[0]).stem, title, body, command=command, machine=machine)
-
-
 _SAVED_KEYS = ("markdown", "command", "machine", "date", "load")
 
 
