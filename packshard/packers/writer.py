@@ -48,8 +48,8 @@ HISTOGRAM_BINS = 32
 def rows_per_batch_for(seq_len: int, target_bytes: int = DEFAULT_BATCH_BYTES) -> int:
     """Rows per record batch so a full batch is about `target_bytes` (at least 1 row).
 
-    A row costs ~4.1 bytes per token (int32 id + mask bit), so at seq_len 131072 a batch is a
-    single 0.5 MiB row and at 8192 it is 128 rows.
+    A full row costs 4.125 bytes per token (int32 id + mask bit), so with the 4 MiB default a
+    batch holds 124 rows at seq_len 8192 and 7 rows (0.53 MiB each) at 131072.
     """
     return max(1, target_bytes // max(1, seq_len * 4 + seq_len // 8))
 
