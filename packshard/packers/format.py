@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 import xxhash
 
+from packshard.packers.urls import redact_text
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
@@ -81,7 +83,11 @@ JOB_DIR = "_packshard"  # where an unfinished pack job keeps its bookkeeping (pi
 
 
 class FormatError(ValueError):
-    """A dataset breaks the shard format: missing, malformed, unknown version, bad checksum."""
+    """A dataset breaks the shard format: missing, malformed, unknown version, bad checksum.
+    URLs in the message are redacted (`packers.urls`), so it can be printed and logged as is."""
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        super().__init__(redact_text(str(message)), *args)
 
 
 class DatasetNotFoundError(FormatError):

@@ -57,6 +57,7 @@ from packshard.packers.manifest import (
     parse_manifest,
 )
 from packshard.packers.shard_file import LIST_COLUMNS, BatchArrays, LocalShard, RemoteShard, Row
+from packshard.packers.urls import redact_url
 from packshard.packers.writer import url_to_fs
 
 BATCH_ARRAYS_KEPT = 256  # record batches kept as numpy views (local: of the map; remote: ~3%)
@@ -68,11 +69,11 @@ class ShardDataset:
     def __init__(
         self, url: str, manifest: dict[str, Any], fs: fsspec.AbstractFileSystem, root: str
     ) -> None:
-        self.url = url
+        self.url = redact_url(url)  # for messages and stats; fs and root read the real one
         self.manifest = manifest
         self.fs = fs
         self.root = root
-        self.parsed: Manifest = parse_manifest(manifest, f"{url}/{MANIFEST_NAME}")
+        self.parsed: Manifest = parse_manifest(manifest, f"{self.url}/{MANIFEST_NAME}")
         self.config = self.parsed.config
         self.shards: list[ShardEntry] = self.parsed.shards
         self.local = _is_local(fs)
@@ -84,16 +85,17 @@ class ShardDataset:
     @classmethod
     def open(cls, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ShardDataset:
         fs, root = url_to_fs(url, storage_options)
+        shown = redact_url(url)
         try:
             raw = fs.cat_file(f"{root}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError):
-            raise _no_dataset(url, fs, root) from None
+            raise _no_dataset(shown, fs, root) from None
         except storage_errors() as e:
-            raise StorageError(f"{url}: cannot read {MANIFEST_NAME} ({describe_error(e)})") from e
+            raise StorageError(f"{shown}: cannot read {MANIFEST_NAME} ({describe_error(e)})") from e
         try:
             manifest = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise FormatError(f"{url}/{MANIFEST_NAME}: not valid JSON ({e})") from None
+            raise FormatError(f"{shown}/{MANIFEST_NAME}: not valid JSON ({e})") from None
         return cls(url, manifest, fs, root)
 
     # ---- index -------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,9 +31,9 @@ from typing import Any
 import fsspec
 
 from packshard.packers import url_to_fs
+from packshard.packers.urls import DEMO_SCHEME, redact_text, redact_url
 from packshard.pipeline.storage import storage_errors
 
-DEMO_SCHEME = "demo://"
 _EXTENSIONS = {
     ".jsonl": "jsonl",
     ".ndjson": "jsonl",
@@ -47,39 +46,6 @@ _EXTENSIONS = {
     ".txt": "txt",
 }
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-_QUERY_SCHEMES = frozenset({"http", "https"})  # "?" starts a query; elsewhere it may be a glob
-_CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@account
-# a URL in prose: trailing punctuation (",", ".", ")", ...) belongs to the sentence
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
-
-
-def redact_url(url: str) -> str:
-    """`url` without its secrets, for anything packshard writes or prints.
-
-    User info (``user:password@``) and the query string (a signed URL's ``?X-Amz-Signature=...``,
-    ``?sig=...``) are removed: ``http://u:PW@host/x.jsonl?sig=s`` becomes ``http://host/x.jsonl``.
-    For ``http(s)://`` everything from ``?`` or ``#`` goes; for other schemes, where fsspec reads
-    ``?`` as a glob character, only a ``?key=value`` tail does (``s3://b/part-?.jsonl`` stays).
-    Azure's ``abfs://container@account...`` keeps its container (it is no credential). Local
-    paths and ``demo://`` URLs (whose query holds the generator's integer parameters) are
-    returned unchanged.
-    """
-    if "://" not in url or url.startswith(DEMO_SCHEME):
-        return url
-    scheme, _, rest = url.partition("://")
-    if scheme.lower() in _QUERY_SCHEMES:
-        rest = rest.split("#", 1)[0].split("?", 1)[0]
-    elif "?" in rest and "=" in rest.rsplit("?", 1)[1]:
-        rest = rest.rsplit("?", 1)[0]
-    authority, slash, path = rest.partition("/")
-    if scheme.lower() not in _CONTAINER_AT_SCHEMES:
-        authority = authority.rpartition("@")[2]
-    return f"{scheme}://{authority}{slash}{path}"
-
-
-def redact_text(text: str) -> str:
-    """`text` (an error message, a log line) with every ``scheme://...`` URL in it redacted."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
 
 
 class InputError(ValueError):

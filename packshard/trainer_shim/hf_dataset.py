@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from packshard.packers.urls import redact_url
 from packshard.trainer_shim.stream import PackedShardStream
 from packshard.trainer_shim.topology import Topology
 
@@ -160,7 +161,7 @@ class PackedShardDataset(IterableDataset):
         topo = topology_for(rank, world, tp=tp, cp=cp, sp=sp)
         log.info(
             "PackedShardDataset %s: rank %d of %d (%s), tp %d cp %d sp %d -> dp %d/%d",
-            self.url, rank, world, source, tp, cp, sp, topo.dp_rank, topo.dp_size,
+            redact_url(self.url), rank, world, source, tp, cp, sp, topo.dp_rank, topo.dp_size,
         )  # fmt: skip
         return topo
 

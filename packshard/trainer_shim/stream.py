@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from packshard.packers import CostModel, ShardDataset
+from packshard.packers.urls import redact_url
 from packshard.trainer_shim.cache import ShardCache
 from packshard.trainer_shim.cp import CP_LAYOUTS, CpLayout, check_layout, row_divisor
 from packshard.trainer_shim.microbatch import TENSOR_KEYS, build_microbatch, filler_microbatch
@@ -182,7 +183,7 @@ class PackedShardStream:
             read_threads=read_threads, verify=verify, seq_len=seq_len, cache_limit_bytes=cache_limit_bytes,
             read_ahead_bytes=read_ahead_bytes,
         )  # fmt: skip
-        self.url = url
+        self.url = redact_url(url)  # for messages and logs; the dataset reads the real one
         self.cost_model = cost_model or CostModel()
         self.device = torch.device(device) if device is not None else None
         self._pin = self.device is not None and self.device.type == "cuda"
@@ -217,7 +218,7 @@ class PackedShardStream:
         )
         log.info(
             "PackedShardStream %s: %d rows in %d shards, dp %d/%d cp %d/%d (%s), %d micro-steps per step, %s steps per epoch",
-            url, index.num_rows, len(self.dataset.shards), dp_rank, dp_size, cp_rank, cp_size, cp_layout,
+            self.url, index.num_rows, len(self.dataset.shards), dp_rank, dp_size, cp_rank, cp_size, cp_layout,
             self.planner.micro_steps, self.planner.steps_in_epoch(),
         )  # fmt: skip
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from packshard.pipeline.inputs import redact_text, redact_url
+from packshard.packers.urls import redact_text, redact_url
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,47 @@
+"""URLs as packshard writes or prints them: without credentials or signatures.
+
+A URL may carry user info (``http://user:pw@host/x``) or a signed query
+(``https://host/x?X-Amz-Signature=...``). The code that reads keeps the URL as given; whatever
+is written (manifest, index, stats) or printed (logs, errors, progress) goes through
+`redact_url` / `redact_text`. Used by the pack job (`pipeline.inputs`) and by every reader of a
+dataset (`ShardDataset.url` is the redacted URL; its filesystem and root keep the real one).
+"""
+
+from __future__ import annotations
+
+import re
+
+DEMO_SCHEME = "demo://"  # the pack job's built-in generated dataset (pipeline.demo)
+_QUERY_SCHEMES = frozenset({"http", "https"})  # "?" starts a query; elsewhere it may be a glob
+_CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@account
+# a URL in prose: trailing punctuation (",", ".", ")", ...) belongs to the sentence
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
+
+
+def redact_url(url: str) -> str:
+    """`url` without its secrets, for anything packshard writes or prints.
+
+    User info (``user:password@``) and the query string (a signed URL's ``?X-Amz-Signature=...``,
+    ``?sig=...``) are removed: ``http://u:PW@host/x.jsonl?sig=s`` becomes ``http://host/x.jsonl``.
+    For ``http(s)://`` everything from ``?`` or ``#`` goes; for other schemes, where fsspec reads
+    ``?`` as a glob character, only a ``?key=value`` tail does (``s3://b/part-?.jsonl`` stays).
+    Azure's ``abfs://container@account...`` keeps its container (it is no credential). Local
+    paths and ``demo://`` URLs (whose query holds the generator's integer parameters) are
+    returned unchanged.
+    """
+    if "://" not in url or url.startswith(DEMO_SCHEME):
+        return url
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() in _QUERY_SCHEMES:
+        rest = rest.split("#", 1)[0].split("?", 1)[0]
+    elif "?" in rest and "=" in rest.rsplit("?", 1)[1]:
+        rest = rest.rsplit("?", 1)[0]
+    authority, slash, path = rest.partition("/")
+    if scheme.lower() not in _CONTAINER_AT_SCHEMES:
+        authority = authority.rpartition("@")[2]
+    return f"{scheme}://{authority}{slash}{path}"
+
+
+def redact_text(text: str) -> str:
+    """`text` (an error message, a log line) with every ``scheme://...`` URL in it redacted."""
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)

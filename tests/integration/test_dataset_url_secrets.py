@@ -1,0 +1,77 @@
+"""A dataset URL with credentials (``http://user:SECRET@host/ds``): they reach the server, and
+nothing that reads the dataset (ShardDataset, stats, verify, the shim) writes or prints them."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from packshard.packers import DatasetNotFoundError, FormatError, ShardDataset
+from packshard.pipeline.stats import dataset_stats, format_stats, stats_json
+from packshard.pipeline.verify import verify_dataset
+from packshard.trainer_shim import PackedShardStream
+from packshard.trainer_shim.synthetic import write_synthetic_dataset
+
+SECRET = "S3CRET-pw"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[str]]]:
+    """(URL with credentials of a dataset on a local HTTP server, Authorization headers seen)."""
+    root = tmp_path_factory.mktemp("www")
+    write_synthetic_dataset(
+        str(root / "ds"), lengths=[100, 300, 50, 700, 20] * 4, seq_len=1024, pad_multiple=8
+    )
+    seen: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            super().do_GET()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Handler, directory=str(root))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://reader:{SECRET}@127.0.0.1:{server.server_address[1]}/ds", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_credentials_are_sent_but_never_shown(served, caplog) -> None:
+    url, seen = served
+    caplog.set_level(logging.INFO)
+    ds = ShardDataset.open(url)
+    assert any(h.startswith("Basic ") for h in seen), "the URL's credentials reach the server"
+    assert SECRET not in ds.url and ds.url.startswith("http://127.0.0.1:")
+    stats = dataset_stats(ds)
+    assert ds.num_rows > 0
+    shown = [stats_json(ds), format_stats(stats), *verify_dataset(url)]
+    stream = PackedShardStream(url, dp_rank=0, dp_size=1, rows_per_step=2)
+    shown.append(stream.url)
+    with pytest.raises(ValueError) as wrong_len:
+        PackedShardStream(url, dp_rank=0, dp_size=1, rows_per_step=2, seq_len=2048)
+    with pytest.raises(DatasetNotFoundError) as missing:
+        ShardDataset.open(url + "-missing")
+    shown += [str(wrong_len.value), str(missing.value), caplog.text]
+    assert "127.0.0.1" in str(wrong_len.value) and "127.0.0.1" in str(missing.value)
+    for text in shown:
+        assert SECRET not in text
+
+
+def test_format_errors_redact_their_message() -> None:
+    err = FormatError(f"https://u:{SECRET}@host/ds/part-00000.arrow?sig={SECRET}: bad footer")
+    assert SECRET not in str(err) and "https://host/ds/part-00000.arrow: bad footer" in str(err)
