@@ -3,13 +3,8 @@ nothing that reads the dataset (ShardDataset, stats, verify, the shim) writes or
 
 from __future__ import annotations
 
-import functools
-import http.server
 import logging
-import threading
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,6 +13,7 @@ from packshard.pipeline.stats import dataset_stats, format_stats, stats_json
 from packshard.pipeline.verify import verify_dataset
 from packshard.trainer_shim import PackedShardStream
 from packshard.trainer_shim.synthetic import write_synthetic_dataset
+from tests.integration._http import serving
 
 SECRET = "S3CRET-pw"
 
@@ -29,26 +25,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list
     write_synthetic_dataset(
         str(root / "ds"), lengths=[100, 300, 50, 700, 20] * 4, seq_len=1024, pad_multiple=8
     )
-    seen: list[str] = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def do_GET(self) -> None:
-            seen.append(self.headers.get("Authorization", ""))
-            super().do_GET()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Handler, directory=str(root))
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://reader:{SECRET}@127.0.0.1:{server.server_address[1]}/ds", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(root) as (host, seen):
+        yield f"http://reader:{SECRET}@{host}/ds", seen
 
 
 def test_the_credentials_are_sent_but_never_shown(served, caplog) -> None:

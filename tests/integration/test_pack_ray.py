@@ -13,6 +13,7 @@ import pytest
 from packshard.packers import ShardDataset
 from packshard.pipeline.pack import main, start_local_ray
 from packshard.pipeline.verify import verify_dataset
+from tests.integration._http import serving
 
 pytestmark = [pytest.mark.ray]
 
@@ -374,29 +375,11 @@ def test_s3_input_and_output_on_a_real_s3_server(ray_local, s3_server, s3_bucket
 
 @pytest.fixture
 def http_dir(tmp_path: Path):
-    """(directory, host:port) of a local HTTP server over a directory (it ignores credentials and
-    query strings, as a signed-URL server that accepted them would)."""
-    import functools
-    import http.server
-    import threading
-
+    """(directory, host:port) of a local HTTP server over a directory (tests/integration/_http)."""
     root = tmp_path / "www"
     root.mkdir()
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(root))
-    )
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield root, f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(root) as (host, _):
+        yield root, host
 
 
 def test_credentials_and_signatures_are_never_written_or_printed(

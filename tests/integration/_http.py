@@ -1,0 +1,38 @@
+"""A local HTTP server over a directory, for the tests of URLs with credentials or signatures.
+It ignores credentials and query strings, as a server that accepted them would, and records the
+Authorization header of every GET."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def serving(root: Path) -> Iterator[tuple[str, list[str]]]:
+    """("127.0.0.1:port", the Authorization headers seen, in order) while the block runs."""
+    seen: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            super().do_GET()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Handler, directory=str(root))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
