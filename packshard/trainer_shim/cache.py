@@ -113,6 +113,12 @@ class ShardCache:
         with self._lock:
             return shard in self._lru
 
+    @property
+    def complete(self) -> bool:
+        """Every shard of the dataset is here (reads from now on are local)."""
+        with self._lock:
+            return len(self._lru) == len(self.remote.shards)
+
     @contextmanager
     def lease(self, shard: int) -> Iterator[ShardDataset]:
         """Make `shard` local (download + verify if needed) and keep it from eviction while the

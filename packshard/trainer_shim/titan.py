@@ -73,7 +73,7 @@ class PackedShardDataLoader(BaseDataLoader):
         epochs: int | None = None
         """Passes over the data; None (default) is endless, as torchtitan trains for `steps`."""
         cache_dir: str | None = None
-        prefetch: int = 8
+        prefetch: int | None = None
         read_threads: int = 4
         verify: bool = True
 

@@ -14,6 +14,8 @@ import torch
 from packshard.packers import DatasetNotFoundError, FormatError, ShardDataset
 from packshard.trainer_shim import PackedShardStream
 from packshard.trainer_shim.microbatch import build_microbatch
+from packshard.trainer_shim.reading import RowReader
+from packshard.trainer_shim.stream import LOCAL_WINDOW_ROWS, REMOTE_WINDOW_ROWS
 from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 
@@ -232,3 +234,30 @@ def test_read_rows_arrays_matches_read_rows(small_dataset: Path):
         assert [a.tolist() for a in arrays[name]] == table.column(name).to_pylist()
     with pytest.raises(IndexError, match=r"row 16 is outside \[0, 16\)"):
         ds.read_rows_arrays(1, [16])
+
+
+def test_window_sizes(small_dataset: Path, tmp_path: Path, monkeypatch):
+    """64 rows a window from a local dataset by default, 8 through a shard cache (each window
+    waits for the shards it touches) until it holds every shard, then 64; an explicit prefetch
+    is taken as given."""
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=2, epochs=2)
+    assert PackedShardStream(str(small_dataset), **kw).window_rows == LOCAL_WINDOW_ROWS == 64
+    assert PackedShardStream(str(small_dataset), prefetch=3, **kw).window_rows == 3
+    sizes: list[int] = []
+    read = RowReader.read
+
+    def counted(self: RowReader, rows: list[int]) -> dict:
+        sizes.append(len(rows))
+        return read(self, rows)
+
+    monkeypatch.setattr(RowReader, "read", counted)
+    cached = PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **kw)
+    assert cached.window_rows == REMOTE_WINDOW_ROWS == 8
+    got = collect(cached)
+    assert sizes[0] == 8 and LOCAL_WINDOW_ROWS in sizes and sum(sizes) == len(got)
+    assert sizes.index(LOCAL_WINDOW_ROWS) <= len(
+        cached.dataset.shards
+    )  # one download a window at least
+    sizes.clear()
+    collect(PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", prefetch=8, **kw))
+    assert set(sizes[:-1]) == {8}
