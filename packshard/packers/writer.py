@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import fsspec
@@ -37,6 +37,7 @@ from packshard.packers.format import (
     HashingWriter,
     shard_name,
 )
+from packshard.packers.manifest import ShardEntry
 from packshard.packers.rows import row_index_stats
 
 log = logging.getLogger(__name__)
@@ -63,23 +64,29 @@ def url_to_fs(
 
 
 @dataclass(frozen=True)
-class ShardRecord:
+class ShardRecord(ShardEntry):
     """A written shard: its manifest entry plus the index columns of its rows."""
 
-    path: str
-    rows: int
-    num_tokens: int
-    padded_tokens: int
-    loss_tokens: int
-    bytes: int
-    checksum: str
-    rows_per_batch: int
     index: dict[str, np.ndarray] = field(repr=False, compare=False)
 
     def manifest_entry(self) -> dict[str, Any]:
-        entry = asdict(self)
-        del entry["index"]
-        return entry
+        return {f.name: getattr(self, f.name) for f in fields(ShardEntry)}
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any], index: dict[str, np.ndarray]) -> ShardRecord:
+        """The record of a shard whose manifest entry (`manifest_entry`) was kept elsewhere."""
+        return cls(**{f.name: entry[f.name] for f in fields(ShardEntry)}, index=index)
+
+
+INDEX_COLUMNS = tuple(k for k in INDEX_SCHEMA.names if k not in ("shard", "row"))
+
+
+def index_columns(stats: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The index columns of a shard's rows from its batches' `row_index_stats`."""
+    return {
+        k: np.concatenate([s[k] for s in stats]) if stats else np.zeros(0, np.int64)
+        for k in INDEX_COLUMNS
+    }
 
 
 def write_shard(
@@ -115,13 +122,13 @@ def write_shard(
                 totals["loss_tokens"] += int(s["num_loss_tokens"].sum())
         size, digest = sink.bytes_written, sink.checksum
     fs.mv(tmp, final)
-    index = {
-        k: np.concatenate([s[k] for s in stats]) if stats else np.zeros(0)
-        for k in INDEX_SCHEMA.names
-        if k not in ("shard", "row")
-    }
     return ShardRecord(
-        path=rel, bytes=size, checksum=digest, rows_per_batch=rows_per_batch, index=index, **totals
+        path=rel,
+        bytes=size,
+        checksum=digest,
+        rows_per_batch=rows_per_batch,
+        index=index_columns(stats),
+        **totals,
     )
 
 

@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 
 from packshard.packers import build_rows, row_index_stats, row_problems, url_to_fs, write_shard
 from packshard.packers.format import checksum_stream, shard_name, split_checksum
-from packshard.packers.writer import ShardRecord, write_json_atomic
+from packshard.packers.writer import ShardRecord, index_columns, write_json_atomic
 from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.jobstate import marker_path
 from packshard.pipeline.planning import ShardPlan, plan_shard_rows, window_sizes_for
@@ -516,26 +516,5 @@ def check_shard(spec: WorkSpec, marker: Mapping[str, Any]) -> ShardResult | str:
         return "the shard file does not match its marker's checksum"
     reader = pa.ipc.open_file(pa.BufferReader(data))
     stats = [row_index_stats(reader.get_batch(i)) for i in range(reader.num_record_batches)]
-    keys = ("num_tokens", "padded_len", "num_loss_tokens", "num_docs", "attn_cost", "row_checksum")
-    index = (
-        {k: np.concatenate([s[k] for s in stats]) for k in keys}
-        if stats
-        else {k: np.zeros(0, np.int64) for k in keys}
-    )
-    record = ShardRecord(
-        **{
-            k: entry[k]
-            for k in (
-                "path",
-                "rows",
-                "num_tokens",
-                "padded_tokens",
-                "loss_tokens",
-                "bytes",
-                "checksum",
-                "rows_per_batch",
-            )
-        },
-        index=index,
-    )
+    record = ShardRecord.from_entry(entry, index_columns(stats))
     return ShardResult(plan, record, dict(marker["counters"]), kept=True, node=current_node())
