@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from packshard.packers.arrays import column_numpy
 from packshard.packers.format import (
     INDEX_NAME,
     JOB_DIR,
@@ -53,7 +54,6 @@ from packshard.packers.manifest import (
     Manifest,
     ShardEntry,
     check_index,
-    column_numpy,
     parse_manifest,
 )
 from packshard.packers.shard_file import LIST_COLUMNS, BatchArrays, LocalShard, RemoteShard, Row
@@ -415,12 +415,7 @@ def _to_numpy(col: pa.ChunkedArray) -> Any:
     if pa.types.is_list(arr.type):
         child = arr.values
         lo, hi = arr.offsets[0].as_py(), arr.offsets[-1].as_py()
-        if pa.types.is_boolean(child.type):
-            bits = np.frombuffer(child.buffers()[1], np.uint8)
-            first = child.offset + lo
-            unpacked = np.unpackbits(bits, bitorder="little")[first : child.offset + hi]
-            return unpacked.view(np.bool_)
-        return column_numpy(child)[lo:hi]
+        return column_numpy(child.slice(lo, hi - lo))
     return column_numpy(arr)[0].item()
 
 

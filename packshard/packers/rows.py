@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
 
+from packshard.packers.arrays import bool_array, column_numpy, numeric_array
 from packshard.packers.bins import Algorithm, FlatPlan, plan_rows
 from packshard.packers.format import SHARD_SCHEMA
 from packshard.packers.overlong import (
@@ -34,8 +35,8 @@ def _list_array(
     offsets: np.ndarray, values: np.ndarray | pa.Array, value_type: pa.DataType
 ) -> pa.ListArray:
     if not isinstance(values, pa.Array):
-        values = pa.array(values, type=value_type)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32, copy=False)), values)
+        values = numeric_array(values, value_type)
+    return pa.ListArray.from_arrays(numeric_array(offsets, pa.int32()), values)
 
 
 def _pool_array(n: int, dtype: type) -> tuple[np.ndarray, pa.Buffer]:
@@ -52,12 +53,6 @@ def _single_chunk(col: pa.ChunkedArray) -> pa.Array:
     if col.num_chunks == 0:
         return pa.array([], type=col.type)
     return col.combine_chunks()
-
-
-def _bool_array(values: np.ndarray) -> pa.BooleanArray:
-    """numpy bool -> Arrow bitmap via packbits (~10x faster than pa.array on 100M+ values)."""
-    bits = np.packbits(values.view(np.uint8), bitorder="little")
-    return pa.Array.from_buffers(pa.bool_(), values.size, [None, pa.py_buffer(bits)])
 
 
 def build_rows(
@@ -127,7 +122,7 @@ def build_rows(
         row_loss,
     )
     mask_array = (
-        _bool_array(out_mask)
+        bool_array(out_mask)
         if loss_mask is not None
         else _all_true_but_padding(row_start, row_true)
     )
@@ -142,8 +137,8 @@ def build_rows(
             _list_array(
                 doc_offsets, np.asarray(piece_sample_id, dtype=np.int64)[order], pa.int64()
             ),
-            pa.array(row_true.astype(np.int32)),
-            pa.array(row_loss.astype(np.int32)),
+            numeric_array(row_true, pa.int32()),
+            numeric_array(row_loss, pa.int32()),
         ],
         schema=SHARD_SCHEMA,
     )
@@ -220,19 +215,25 @@ def pack_table(
     ids_col = _single_chunk(table.column("input_ids"))
     if ids_col.null_count:
         raise ValueError(f"input_ids is null in {ids_col.null_count} rows")
-    lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = column_numpy(pc.list_value_length(ids_col)).astype(np.int64)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
-    tokens = ids_col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    flat_ids = ids_col.flatten()
+    if flat_ids.null_count:
+        raise ValueError(f"input_ids hold {flat_ids.null_count} null token ids")
+    tokens = column_numpy(flat_ids).astype(np.int32, copy=False)
     mask = None  # no loss_mask column: every token is a loss token
     if "loss_mask" in table.column_names:
         mask_col = _single_chunk(table.column("loss_mask"))
-        mask_lengths = pc.list_value_length(mask_col).fill_null(-1).to_numpy().astype(np.int64)
+        mask_lengths = column_numpy(pc.list_value_length(mask_col).fill_null(-1)).astype(np.int64)
         bad = np.flatnonzero(mask_lengths != lengths)
         if bad.size:
             raise ValueError(
                 f"row {int(bad[0])}: loss_mask must have the length of input_ids ({bad.size} rows differ)"
             )
-        mask = mask_col.flatten().to_numpy(zero_copy_only=False).astype(np.bool_, copy=False)
+        flat_mask = mask_col.flatten()
+        if flat_mask.null_count:
+            raise ValueError(f"loss_mask holds {flat_mask.null_count} null values")
+        mask = column_numpy(flat_mask).astype(np.bool_, copy=False)
     result = apply_overlong(lengths, seq_len, overlong)
     plan = plan_rows(result.length, seq_len, algorithm)
     batch = build_rows(
@@ -259,9 +260,9 @@ def list_parts(arr: pa.ListArray, dtype: type | None = None) -> tuple[np.ndarray
     a larger one, as the shard writer makes) shares its parent's values buffer, and converting
     all of it for every slice cost 0.9 s of a 2.1 s 33M-token shard write.
     """
-    offsets = arr.offsets.to_numpy().astype(np.int64)
+    offsets = column_numpy(arr.offsets).astype(np.int64)
     start, stop = (int(offsets[0]), int(offsets[-1])) if offsets.size else (0, 0)
-    values = arr.values.slice(start, stop - start).to_numpy(zero_copy_only=False)
+    values = column_numpy(arr.values.slice(start, stop - start))
     if dtype is not None:
         values = values.astype(dtype, copy=False)
     return offsets - start, values
@@ -285,9 +286,9 @@ def row_index_stats(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
         h.update(sample_ids[sid_off[i] : sid_off[i + 1]].tobytes())
         checksums[i] = h.intdigest()
     return {
-        "num_tokens": batch.column("num_tokens").to_numpy().astype(np.int32),
+        "num_tokens": column_numpy(batch.column("num_tokens")).astype(np.int32),
         "padded_len": np.diff(ids_off).astype(np.int32),
-        "num_loss_tokens": batch.column("num_loss_tokens").to_numpy().astype(np.int32),
+        "num_loss_tokens": column_numpy(batch.column("num_loss_tokens")).astype(np.int32),
         "num_docs": np.diff(doc_off).astype(np.int32),
         "attn_cost": (sq[doc_off[1:]] - sq[doc_off[:-1]]).astype(np.int64),
         "row_checksum": checksums,

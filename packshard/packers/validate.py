@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 
+from packshard.packers.arrays import column_numpy
 from packshard.packers.rows import list_parts
 
 MAX_MESSAGES = 20
@@ -27,8 +28,8 @@ def row_problems(
     mask_off, mask = list_parts(batch.column("loss_mask"), np.bool_)
     doc_off, doc_lens = list_parts(batch.column("doc_lens"), np.int64)
     sid_off, _ = list_parts(batch.column("sample_ids"))
-    num_tokens = batch.column("num_tokens").to_numpy().astype(np.int64)
-    num_loss = batch.column("num_loss_tokens").to_numpy().astype(np.int64)
+    num_tokens = column_numpy(batch.column("num_tokens")).astype(np.int64)
+    num_loss = column_numpy(batch.column("num_loss_tokens")).astype(np.int64)
     padded = np.diff(ids_off)
     n = batch.num_rows
     problems: list[str] = []

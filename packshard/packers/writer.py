@@ -26,6 +26,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
+from packshard.packers.arrays import column_numpy, numeric_array
 from packshard.packers.format import (
     DEFAULT_CHECKSUM,
     FORMAT_NAME,
@@ -160,7 +161,7 @@ def build_index(shards: list[ShardRecord]) -> pa.Table:
         for name in INDEX_SCHEMA.names[2:]:
             cols[name].append(shard.index[name])
     arrays = [
-        pa.array(np.concatenate(cols[f.name]) if cols[f.name] else np.zeros(0), type=f.type)
+        numeric_array(np.concatenate(cols[f.name]) if cols[f.name] else np.zeros(0), f.type)
         for f in INDEX_SCHEMA
     ]
     return pa.Table.from_arrays(arrays, schema=INDEX_SCHEMA)
@@ -218,7 +219,7 @@ def finalize_dataset(
             "loss_tokens": sum(s.loss_tokens for s in shards),
             "padding_fraction": (padded - num_tokens) / padded if padded else 0.0,
         },
-        "histogram": histogram(index.column("num_tokens").to_numpy(), int(config["seq_len"])),
+        "histogram": histogram(column_numpy(index.column("num_tokens")), int(config["seq_len"])),
     }
     if extra:
         manifest.update(extra)

@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packshard.packers import build_rows, row_index_stats, row_problems, url_to_fs, write_shard
+from packshard.packers.arrays import column_numpy
 from packshard.packers.format import checksum_stream, shard_name, split_checksum
 from packshard.packers.writer import ShardRecord, index_columns, write_json_atomic
 from packshard.pipeline.inputs import InputFile
@@ -198,11 +199,11 @@ def _clean_ids(
     ids = table.column(ids_name).combine_chunks()
     if not _is_list_of(ids.type, pa.types.is_integer) or ids.null_count:
         return None
-    lengths = pc.list_value_length(ids).to_numpy().astype(np.int64)
+    lengths = column_numpy(pc.list_value_length(ids)).astype(np.int64)
     values = pc.list_flatten(ids)
     if values.null_count or (lengths.size and lengths.min() < 1):
         return None
-    tokens = values.to_numpy()
+    tokens = column_numpy(values)
     if tokens.size and (tokens.min() < bounds[0] or tokens.max() >= bounds[1]):
         return None
     if mask_name not in table.column_names:
@@ -214,10 +215,10 @@ def _clean_ids(
         return None
     mask_values = pc.list_flatten(mask_col)
     if mask_values.null_count or not np.array_equal(
-        pc.list_value_length(mask_col).to_numpy(), lengths
+        column_numpy(pc.list_value_length(mask_col)), lengths
     ):
         return None
-    mask = mask_values.to_numpy(zero_copy_only=False).astype(np.bool_)
+    mask = column_numpy(mask_values).astype(np.bool_)
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     if lengths.size and not np.logical_or.reduceat(mask, starts).all():
         return None

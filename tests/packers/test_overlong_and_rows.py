@@ -17,6 +17,7 @@ from packshard.packers import (
     row_index_stats,
     row_problems,
 )
+from packshard.packers.arrays import column_numpy, numeric_array
 from packshard.packers.rows import list_parts
 
 
@@ -238,3 +239,100 @@ def test_list_parts_of_a_slice_hold_only_its_own_values(start: int, length: int)
         lists[start : start + length]
     )
     assert values.size == sum(len(x) for x in lists[start : start + length])
+
+
+@pytest.mark.parametrize(
+    ("values", "arrow_type"),
+    [
+        (np.array([0, 7, 2**31 - 1], np.int64), pa.int32()),
+        (np.array([-(2**40), 0, 2**40], np.int64), pa.int64()),
+        (np.array([0, 2**63 + 5], np.uint64), pa.uint64()),
+        (np.arange(20, dtype=np.int32)[::3], pa.int32()),  # strided: copied to contiguous
+        (np.array([True, False, True, True, False, False, True, False, True]), pa.bool_()),
+        (np.zeros(0), pa.int32()),
+    ],
+)
+def test_numeric_array_equals_pa_array(values, arrow_type):
+    got = numeric_array(values, arrow_type)
+    assert got.type == arrow_type
+    assert got.to_pylist() == pa.array(values.tolist(), type=arrow_type).to_pylist()
+
+
+def test_numeric_array_refuses_values_that_do_not_fit():
+    with pytest.raises(OverflowError, match="int32"):
+        numeric_array(np.array([1, 2**31]), pa.int32())
+    with pytest.raises(OverflowError, match="uint64"):
+        numeric_array(np.array([-1]), pa.uint64())
+    with pytest.raises(TypeError, match="round"):
+        numeric_array(np.array([1.5]), pa.int32())
+    with pytest.raises(ValueError, match="1-D"):
+        numeric_array(np.zeros((2, 2), np.int32), pa.int32())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    bits=st.lists(st.booleans(), max_size=70),
+    cut=st.tuples(st.integers(0, 70), st.integers(0, 70)),
+    chunks=st.integers(1, 3),
+)
+def test_column_numpy_reads_sliced_and_chunked_columns(bits, cut, chunks):
+    lo, hi = sorted(cut)
+    lo, hi = min(lo, len(bits)), min(hi, len(bits))
+    want = bits[lo:hi]
+    for arrow_type in (pa.bool_(), pa.int64(), pa.uint8()):
+        values = pa.array(bits, pa.bool_()).cast(arrow_type).slice(lo, hi - lo)
+        got = column_numpy(values)
+        assert got.tolist() == np.asarray(want, dtype=got.dtype).tolist()
+        step = max(1, len(values) // chunks)
+        pieces = [values.slice(i, step) for i in range(0, len(values), step)] or [values]
+        assert column_numpy(pa.chunked_array(pieces, arrow_type)).tolist() == got.tolist()
+
+
+def test_column_numpy_refuses_nulls_and_non_numeric_columns():
+    with pytest.raises(ValueError, match="nulls"):
+        column_numpy(pa.array([1, None, 3], pa.int32()))
+    with pytest.raises(TypeError, match="fixed-width"):
+        column_numpy(pa.array(["a"]))
+
+
+def test_writing_a_shard_does_not_import_pandas(tmp_path):
+    """pyarrow's `pa.array(ndarray)` imports pandas on its first call (~0.2 s of every pack
+    worker's first shard); the row and index builders stay clear of it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import numpy as np
+import fsspec
+from packshard.packers import pack_table
+from packshard.packers.writer import build_index, write_shard
+import pyarrow as pa
+from packshard.packers.arrays import numeric_array
+offsets = np.cumsum([0, 5, 9, 3, 12, 7])
+ids = pa.ListArray.from_arrays(
+    numeric_array(offsets, pa.int32()), numeric_array(np.arange(offsets[-1]), pa.int32())
+)
+table = pa.Table.from_arrays([ids], names=["input_ids"])
+assert "pandas" not in sys.modules, "pandas before packing"
+batch, _ = pack_table(table, seq_len=16, pad_multiple=4, pad_token_id=0)
+record = write_shard(fsspec.filesystem("file"), {str(tmp_path)!r}, 0, iter([batch]), rows_per_batch=8)
+build_index([record])
+print("pandas" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_pack_table_rejects_null_token_ids_and_mask_values():
+    ids = pa.array([[1, 2], [3, None]], pa.list_(pa.int32()))
+    with pytest.raises(ValueError, match="1 null token ids"):
+        pack_table(pa.table({"input_ids": ids}), seq_len=8, pad_multiple=2, pad_token_id=0)
+    table = pa.table(
+        {
+            "input_ids": pa.array([[1, 2], [3, 4]], pa.list_(pa.int32())),
+            "loss_mask": pa.array([[True, None], [True, False]], pa.list_(pa.bool_())),
+        }
+    )
+    with pytest.raises(ValueError, match="loss_mask holds 1 null"):
+        pack_table(table, seq_len=8, pad_multiple=2, pad_token_id=0)
