@@ -161,14 +161,19 @@ class SampleEncoder:
         )
         return Encoded(ids.astype(np.int32), mask)
 
-    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[Any]:
+    def _encode_batch(
+        self, texts: list[str], add_special_tokens: bool, *, offsets: bool = True
+    ) -> list[Any]:
         """The Rust batch encoder, in batches of ENCODE_BATCH texts (measured ~25% faster than
-        one huge batch on 7.5K GSM8K chats)."""
+        one huge batch on 7.5K GSM8K chats). Without `offsets` (texts whose every token is a
+        loss token) it uses `encode_batch_fast` where the installed tokenizers has it: the same
+        ids without character offsets, ~20% faster on Gutenberg books."""
+        encode = self.backend.encode_batch
+        if not offsets:
+            encode = getattr(self.backend, "encode_batch_fast", encode)
         out: list[Any] = []
         for i in range(0, len(texts), ENCODE_BATCH):
-            out += self.backend.encode_batch(
-                texts[i : i + ENCODE_BATCH], add_special_tokens=add_special_tokens
-            )
+            out += encode(texts[i : i + ENCODE_BATCH], add_special_tokens=add_special_tokens)
         return out
 
     def encode(self, samples: Sequence[Sample | BadRecord]) -> list[Encoded | BadRecord]:
@@ -194,9 +199,9 @@ class SampleEncoder:
             for (i, p), enc in zip(plain, encs, strict=True):
                 out[i] = Encoded(np.asarray(enc.ids, np.int32), _span_mask(enc, p.spans))
         if special:
-            firsts = self._encode_batch([p.texts[0] for _, p in special], True)
+            firsts = self._encode_batch([p.texts[0] for _, p in special], True, offsets=False)
             seconds_idx = [(i, p) for i, p in special if len(p.texts) > 1]
-            seconds = self._encode_batch([p.texts[1] for _, p in seconds_idx], False)
+            seconds = self._encode_batch([p.texts[1] for _, p in seconds_idx], False, offsets=False)
             second_of = {i: enc for (i, _), enc in zip(seconds_idx, seconds, strict=True)}
             eos = [] if self.eos_id is None else [self.eos_id]
             for (i, _p), enc in zip(special, firsts, strict=True):

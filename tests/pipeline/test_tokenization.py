@@ -409,3 +409,26 @@ def test_one_render_path_steps_aside_for_header_text_and_stray_headers(demo: Sam
     chat = Chat([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
     text, _ = enc.masker.loss_spans(chat)
     assert enc.masker._one_render_spans(text, ChatRenderer.prepare(chat.messages), None, 0) is None
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "qwen3", "phi-3-mini-instruct"])
+def test_text_and_plain_samples_take_the_tokenizers_own_ids(shared_data: Path, name: str):
+    """Texts and plain prompt/completion pairs are encoded without offsets (`encode_batch_fast`
+    where tokenizers has it): the ids are those of the tokenizer called on the text."""
+    tok = load_tokenizer(str(shared_data / "tokenizers" / name))
+    enc = SampleEncoder(tok)
+    with open(shared_data / "long_context/gutenberg/long_docs.jsonl") as f:
+        book = json.loads(f.readline())["text"]
+    texts = [book[:200_000], "  leading spaces\n\n\ttabs", "Ünïcödé — ½ 日本語 🙂", "a" * 3000, ""]
+    texts += [tok.eos_token + " after an eos", f"{tok.bos_token or ''}x"]
+    out = enc.encode([Text(t) for t in texts] + [PlainPromptCompletion(t, " 4") for t in texts])
+    for text, got in zip(texts, out[: len(texts)], strict=True):
+        want = tok(text)["input_ids"]
+        want = want if want and want[-1] == tok.eos_token_id else [*want, tok.eos_token_id]
+        assert got.ids.tolist() == want and got.mask.all()
+    for text, got in zip(texts, out[len(texts) :], strict=True):
+        head = tok(text)["input_ids"]
+        tail = [*tok(" 4", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        assert got.ids.tolist() == head + tail
+        assert got.mask.tolist() == [False] * len(head) + [True] * len(tail)
