@@ -130,6 +130,29 @@ def test_corrupted_row_is_caught_by_row_checksum(tmp_path):
             ds.verify_shard(0)
 
 
+def test_row_checksums_follow_the_format_definition(tmp_path):
+    """index.arrow's row_checksum is xxh3_64 over the row's int32 ids, one byte per mask value,
+    int32 doc_lens and int64 sample_ids (docs/FORMAT.md); `rows.row_checksum` is that
+    definition written out, and the writer and the reader's in-place digest agree with it."""
+    from packshard.packers.reader import _row_digest
+    from packshard.packers.rows import row_checksum
+
+    url, batch, _ = _make(tmp_path, n=150)
+    with ShardDataset.open(url) as ds:
+        index = ds.index.to_pydict()
+        base = 0
+        for shard, entry in enumerate(ds.shards):
+            rows = list(range(entry.rows))
+            cols = ("input_ids", "loss_mask", "doc_lens", "sample_ids")
+            got = ds.read_rows_arrays(shard, rows, cols)
+            for r in rows:
+                parts = [got[c][r] for c in cols]
+                want = index["row_checksum"][base + r]
+                assert row_checksum(*parts) == _row_digest(tuple(parts)) == want
+            base += entry.rows
+    assert base == batch.num_rows
+
+
 @pytest.mark.parametrize("bad", ["", "/abs", "a/../b", "./a", "a//b", "C:/x", "http://h/p", "a/."])
 def test_check_relative_path_refuses(bad):
     with pytest.raises(FormatError):
@@ -138,3 +161,11 @@ def test_check_relative_path_refuses(bad):
 
 def test_check_relative_path_accepts():
     assert check_relative_path("shards/part-00000.arrow", "w") == "shards/part-00000.arrow"
+
+
+def test_required_shard_keys_are_the_shard_entry_fields_but_the_optional_one():
+    from dataclasses import fields
+
+    from packshard.packers.manifest import SHARD_KEYS, ShardEntry
+
+    assert {*SHARD_KEYS, "rows_per_batch"} == {f.name for f in fields(ShardEntry)}
