@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -196,16 +195,6 @@ def demo_records(
             m += 1
 
 
-def write_demo_jsonl(path: str | Path, seed: int = 0, **kwargs: int) -> Path:
-    """Write the demo records to a jsonl file (one sample a line) and return its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for rec in demo_records(seed, **kwargs):
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    return path
-
-
 def demo_tokenizer() -> Any:
     """A byte-level Hugging Face fast tokenizer with ChatML specials and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -228,13 +217,6 @@ def demo_tokenizer() -> Any:
     tok.chat_template = CHATML_TEMPLATE
     tok.name_or_path = "packshard-demo-bytelevel"
     return tok
-
-
-def save_demo_tokenizer(directory: str | Path) -> Path:
-    """save_pretrained the demo tokenizer, so workers can load it with AutoTokenizer."""
-    directory = Path(directory)
-    demo_tokenizer().save_pretrained(directory)
-    return directory
 
 
 def _bytes_to_unicode() -> dict[int, str]:
