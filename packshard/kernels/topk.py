@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 IDX_MAX = 2**31 - 1
-I32_MIN = -(2**31)
 
 
 @dataclass
