@@ -61,6 +61,7 @@ from packshard.packers.urls import redact_url
 from packshard.packers.writer import url_to_fs
 
 BATCH_ARRAYS_KEPT = 256  # record batches kept as numpy views (local: of the map; remote: ~3%)
+WHOLE_BATCH_BYTES = 256 << 20  # remote batches read whole, kept with their tokens (see below)
 
 
 class ShardDataset:
@@ -81,6 +82,9 @@ class ShardDataset:
         self._lock = threading.Lock()  # guards _files, _shard_locks and _arrays
         self._shard_locks: dict[int, threading.Lock] = {}
         self._arrays: OrderedDict[tuple[int, int], BatchArrays] = OrderedDict()
+        self._whole: OrderedDict[tuple[int, int], BatchArrays] = OrderedDict()
+        self._whole_bytes = 0
+        self.whole_batch_bytes = WHOLE_BATCH_BYTES
 
     @classmethod
     def open(cls, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ShardDataset:
@@ -175,20 +179,39 @@ class ShardDataset:
             return opened
 
     def _kept(self, shard: int, batches: list[int]) -> dict[int, BatchArrays]:
-        """The arrays of these batches that the LRU holds."""
+        """The arrays of these batches that the LRUs hold (with their tokens where a remote
+        batch read whole is still kept)."""
         out = {}
         with self._lock:
             for b in batches:
-                hit = self._arrays.get((shard, b))
-                if hit is not None:
-                    self._arrays.move_to_end((shard, b))
-                    out[b] = hit
+                for lru in (self._whole, self._arrays):
+                    hit = lru.get((shard, b))
+                    if hit is not None:
+                        lru.move_to_end((shard, b))
+                        out[b] = hit
+                        break
         return out
 
-    def _keep(self, shard: int, arrays: dict[int, BatchArrays]) -> None:
+    def _keep(self, shard: int, arrays: dict[int, BatchArrays], *, remote: bool) -> None:
+        """Remember batches' arrays. A remote batch that came with its tokens (read whole) also
+        goes, tokens included, into an LRU of `whole_batch_bytes`: a shuffled epoch asks for
+        the batch's other rows in later windows, and reading the batch again for each (as
+        each window's dense read would) multiplies the bytes read (3x on a 158 MiB shard read
+        in 64 MiB windows). The tokens are views of the request's buffer, so a batch evicted
+        while a neighbour from the same request stays keeps that buffer alive."""
         with self._lock:
             for b, a in arrays.items():
+                if remote and a.ids is not None:
+                    old = self._whole.pop((shard, b), None)
+                    self._whole_bytes += a.ids.nbytes - (
+                        old.ids.nbytes if old and old.ids is not None else 0
+                    )
+                    self._whole[(shard, b)] = a
+                    a = a.without_ids()
                 self._arrays[(shard, b)] = a
+            while self._whole and self._whole_bytes > self.whole_batch_bytes:
+                _, gone = self._whole.popitem(last=False)
+                self._whole_bytes -= gone.ids.nbytes if gone.ids is not None else 0
             while len(self._arrays) > BATCH_ARRAYS_KEPT:
                 self._arrays.popitem(last=False)
 
@@ -223,13 +246,13 @@ class ShardDataset:
                 4 * self.index_column("padded_len")[rows_arr + self.shard_row_starts[shard]]
             ).tolist()
             new, ids = f.fetch(list(zip(batch_of, within, strict=True)), arrays, sizes)
-            self._keep(shard, new)
+            self._keep(shard, new, remote=True)
             arrays |= new
             got = [arrays[b].row(i, x) for b, i, x in zip(batch_of, within, ids, strict=True)]
         else:
             with self._shard_lock(shard):
                 new = {b: f.arrays(b) for b in sorted(set(batch_of)) if b not in arrays}
-            self._keep(shard, new)
+            self._keep(shard, new, remote=False)
             arrays |= new
             got = [arrays[b].row(i) for b, i in zip(batch_of, within, strict=True)]
         if verify:

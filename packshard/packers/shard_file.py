@@ -345,9 +345,11 @@ class RemoteShard(_Shard):
     def fetch(
         self, wanted: list[tuple[int, int]], known: dict[int, BatchArrays], row_bytes: list[int]
     ) -> tuple[dict[int, BatchArrays], list[np.ndarray]]:
-        """input_ids of each (batch, row in batch), and the arrays of the batches not `known`.
+        """input_ids of each (batch, row in batch), and the arrays of the batches not `known`
+        (with their input_ids for a batch read whole, without them otherwise).
 
-        A new batch whose wanted rows hold at least DENSE of its body (by `row_bytes`, the rows'
+        A `known` batch that holds its input_ids (one read whole earlier) needs no request. A
+        new batch whose wanted rows hold at least DENSE of its body (by `row_bytes`, the rows'
         sizes from index.arrow) is read whole, in one request; the others in two rounds: their
         metadata, then their small buffers with the rows' tokens. Requests are merged."""
         new = sorted({b for b, _ in wanted if b not in known})
@@ -368,7 +370,8 @@ class RemoteShard(_Shard):
         ids_off = {b: off for b, (_, off) in heads.items()} | {
             b: a.ids_off for b, a in known.items()
         }
-        remote = [(b, i) for b, i in wanted if b not in arrays]
+        held = {b for b, a in known.items() if a.ids is not None}
+        remote = [(b, i) for b, i in wanted if b not in arrays and b not in held]
         for b, i in remote:
             spans.append(
                 (ids_at[b] + 4 * int(ids_off[b][i]), ids_at[b] + 4 * int(ids_off[b][i + 1]))
@@ -378,11 +381,12 @@ class RemoteShard(_Shard):
             arrays[b] = self._arrays(b, lay, off, bytes(data[j]), ids_at[b])
         fetched = iter(data[len(heads) :])
         ids = [
-            arrays[b].row_ids(i) if b in arrays and arrays[b].ids is not None else np.frombuffer(next(fetched), np.int32)
+            arrays[b].row_ids(i) if b in arrays and arrays[b].ids is not None
+            else known[b].row_ids(i) if b in held
+            else np.frombuffer(next(fetched), np.int32)
             for b, i in wanted
         ]  # fmt: skip
-        kept = {b: a.without_ids() if a.ids is not None else a for b, a in arrays.items()}
-        return kept, ids
+        return arrays, ids
 
     def _whole(self, batches: list[int]) -> dict[int, BatchArrays]:
         """Batches read whole (metadata and body in one request each), parsed here."""

@@ -37,3 +37,44 @@ def test_round_trip_s3(s3_server, s3_bucket):
         expect.column("num_tokens")[3].as_py(),
         expect.column("num_tokens")[0].as_py(),
     ]
+
+
+def test_batches_read_whole_serve_later_rows_without_requests(s3_server, s3_bucket, monkeypatch):
+    """A window of rows dense in a batch reads the batch whole; a later window's rows of the
+    same batches come from the kept tokens (no request), unless the byte budget is 0."""
+    from packshard.packers.shard_file import RemoteShard
+
+    rng = np.random.default_rng(2)
+    ids = [rng.integers(0, 500, 200).astype(np.int32) for _ in range(120)]
+    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))})
+    batch, _ = pack_table(table, seq_len=256, pad_multiple=4, pad_token_id=7)
+    url = f"s3://{s3_bucket}/kept"
+    w = DatasetWriter(
+        url,
+        {"seq_len": 256, "pad_multiple": 4, "pad_token_id": 7, "cp": 4},
+        rows_per_batch=10,
+        storage_options=s3_server["storage_options"],
+    )
+    w.write(batch)
+    w.close({"samples_in": 120, "samples_kept": 120, "dropped": {}})
+    n = batch.num_rows
+    first, second = list(range(0, n, 2)), list(range(1, n, 2))  # every batch dense in both
+    want = batch.column("input_ids").to_pylist()
+    requested: list[int] = []
+    real_read = RemoteShard.read
+
+    def counting_read(self, ranges):
+        if ranges:
+            requested.append(sum(e - a for a, e in ranges))
+        return real_read(self, ranges)
+
+    monkeypatch.setattr(RemoteShard, "read", counting_read)
+    for budget, second_requests in ((256 << 20, 0), (0, 1)):
+        ds = ShardDataset.open(url, storage_options=s3_server["storage_options"])
+        ds.whole_batch_bytes = budget
+        got = ds.read_rows_arrays(0, first)["input_ids"]
+        assert [g.tolist() for g in got] == [want[r] for r in first]
+        requested.clear()
+        got = ds.read_rows_arrays(0, second)["input_ids"]
+        assert [g.tolist() for g in got] == [want[r] for r in second]
+        assert (len(requested) > 0) == bool(second_requests), (budget, requested)
