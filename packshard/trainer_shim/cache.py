@@ -31,8 +31,9 @@ import logging
 import os
 import threading
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -182,10 +183,12 @@ class ShardCache:
             self._reserved += need
 
     def _download(self, shard: int) -> None:
-        """Copy a shard here in parts of PART bytes, PARTS_AT_ONCE requested together (one
-        request per 32 MiB instead of a sequential read of 8 MiB blocks), hashing as the parts
-        arrive; the file takes its final name only once its `bytes` bytes match the manifest's
-        checksum (a longer object is cut to them, a shorter one fails)."""
+        """Copy a shard here in parts of PART bytes, PARTS_AT_ONCE requested at a time (one
+        request per 32 MiB instead of a sequential read of 8 MiB blocks). Parts are hashed and
+        written in order as they arrive while the next ones download, a new request going out
+        as each part is written (at most PARTS_AT_ONCE + 1 parts in memory). The file takes
+        its final name only once its `bytes` bytes match the manifest's checksum (a longer
+        object is cut to them, a shorter one fails)."""
         entry = self.remote.shards[shard]
         where = f"{self.remote.url}/{entry.path}"
         path = f"{self.remote.root}/{entry.path}"
@@ -195,20 +198,26 @@ class ShardCache:
         hasher = new_hasher(algorithm)
         fs = self.remote.fs
         size = entry.bytes  # a longer object is cut here; a shorter one comes back short
+
+        def part(a: int, e: int) -> bytes:
+            with reading(where):
+                return fs.cat_file(path, start=a, end=e)
+
+        parts = deque((a, min(a + PART, size)) for a in range(0, size, PART))
+        pool = ThreadPoolExecutor(PARTS_AT_ONCE, thread_name_prefix="packshard-download")
+        inflight: deque[tuple[int, int, Future[bytes]]] = deque()
         try:
-            parts = [(a, min(a + PART, size)) for a in range(0, size, PART)]
             with open(tmp, "wb") as dst:
-                for i in range(0, len(parts), PARTS_AT_ONCE):
-                    group = parts[i : i + PARTS_AT_ONCE]
-                    with reading(where):
-                        got = fs.cat_ranges([path] * len(group), [a for a, _ in group], [e for _, e in group], on_error="raise")  # fmt: skip
-                    for (a, e), data in zip(group, got, strict=True):
-                        if len(data) != e - a:
-                            raise FormatError(
-                                f"{where}: bytes {a}..{e} came back as {len(data)} bytes"
-                            )
-                        hasher.update(data)
-                        dst.write(data)
+                while parts or inflight:
+                    while parts and len(inflight) < PARTS_AT_ONCE:
+                        a, e = parts.popleft()
+                        inflight.append((a, e, pool.submit(part, a, e)))
+                    a, e, future = inflight.popleft()
+                    data = future.result()
+                    if len(data) != e - a:
+                        raise FormatError(f"{where}: bytes {a}..{e} came back as {len(data)} bytes")
+                    hasher.update(data)
+                    dst.write(data)
             digest = f"{algorithm}:{hasher.hexdigest()}"
             if digest != entry.checksum:
                 raise FormatError(
@@ -217,6 +226,7 @@ class ShardCache:
                 )
             os.replace(tmp, target)
         finally:
+            pool.shutdown(wait=True, cancel_futures=True)
             tmp.unlink(missing_ok=True)
         log.debug("cached %s (%d bytes)", where, size)
 

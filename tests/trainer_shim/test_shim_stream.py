@@ -127,7 +127,10 @@ def test_corrupted_shard_is_detected_by_row_checksums(copy_of):
         collect(stream)
 
 
-def test_corrupted_shard_is_refused_by_the_cache(copy_of, tmp_path: Path):
+@pytest.mark.parametrize("part", [None, 4096])
+def test_corrupted_shard_is_refused_by_the_cache(copy_of, tmp_path: Path, monkeypatch, part):
+    if part is not None:  # many parts: the download pipelines them (cache.PART)
+        monkeypatch.setattr("packshard.trainer_shim.cache.PART", part)
     root = copy_of()
     corrupt_shard(root)
     stream = PackedShardStream(
@@ -138,6 +141,22 @@ def test_corrupted_shard_is_refused_by_the_cache(copy_of, tmp_path: Path):
     ):
         collect(stream)
     assert not list((tmp_path / "cache").rglob("part-00000.arrow*"))  # nothing kept
+
+
+def test_cache_downloads_in_many_parts_exactly(small_dataset: Path, tmp_path: Path, monkeypatch):
+    """A shard downloaded in parts far smaller than itself, several in flight, is the source
+    file byte for byte, and the cached stream yields the uncached one's micro-batches."""
+    monkeypatch.setattr("packshard.trainer_shim.cache.PART", 4096)
+    args = {"dp_rank": 0, "dp_size": 1, "rows_per_step": 4, "seed": 3}
+    plain = collect(PackedShardStream(str(small_dataset), **args))
+    cached = collect(PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **args))
+    assert len(plain) == len(cached)
+    for a, b in zip(plain, cached, strict=True):
+        assert a["row"] == b["row"] and torch.equal(a["input_ids"], b["input_ids"])
+    copies = sorted((tmp_path / "c").rglob("part-*.arrow"))
+    assert copies and all(
+        c.read_bytes() == (small_dataset / "shards" / c.name).read_bytes() for c in copies
+    )
 
 
 def test_errors_arrive_after_the_good_micro_batches(copy_of):
