@@ -1,7 +1,7 @@
 """Streaming rows into a rank: packshard's PackedShardStream vs MosaicML streaming, and the
 quality of the DP balance (cost vs count).
 
-    python benchmarks/bench_stream.py [--rows 1500] [--seq-len 8192] [--repeats 3]
+    python benchmarks/bench_stream.py [--rows 4800] [--seq-len 8192] [--repeats 3]
 
 1. Throughput. The same packed token rows (a chat + long-trajectory length mix, random token
    ids) are written twice: as a packshard dataset (the foundation's writer, default record
@@ -360,7 +360,10 @@ def result_table(results: dict[str, list[dict]]) -> list[list[object]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=1500, help="packed rows in the throughput dataset")
+    # 4800 rows of 8K (157 MiB, the most the length mix fills) is three of a remote reader's
+    # 64 MiB windows, so an epoch shows how windows share a shard's bytes; 1500 rows (48 MiB)
+    # fit in one window, which hides that.
+    p.add_argument("--rows", type=int, default=4800, help="packed rows in the throughput dataset")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5, help="head-to-head rounds (medians)")
     p.add_argument("--sweep-repeats", type=int, default=2, help="runs per Mosaic configuration")
