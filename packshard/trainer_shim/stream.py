@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 LOCAL_WINDOW_ROWS = 64  # rows a window of a local dataset reads by default (window_rows)
 REMOTE_WINDOW_ROWS = 8  # ... of a cached remote one (a window waits for the shards it touches)
+WHOLE_BATCHES_PER_WINDOW = 4  # remote batches read whole are kept up to this many windows' bytes
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,11 @@ class PackedShardStream:
     ``row`` (index.arrow position, -1 for a filler). Conventions: trainer_shim.microbatch.
 
     Reading: `prefetch` rows (at least a step's micro-batches; by default 64 from a local
-    dataset, 8 from a remote one) are read per window, two windows ahead, shards of a window on `read_threads` threads; from a
-    remote dataset without `cache_dir`, a window holds `read_ahead_bytes` of rows (64 MiB) so
-    that nearby rows share a request. `verify=False` skips the row checksums. Every problem with the dataset is a
+    dataset, 8 from a remote one) are read per window, two windows ahead, shards of a window on
+    `read_threads` threads; from a remote dataset without `cache_dir`, a window holds
+    `read_ahead_bytes` of rows (64 MiB) so that nearby rows share a request, and record batches
+    read whole are kept for later windows up to 4 x `read_ahead_bytes` (256 MiB: the
+    dataset's `whole_batch_bytes`). `verify=False` skips the row checksums. Every problem with the dataset is a
     `packers.FormatError` naming the file (`DatasetNotFoundError` without a dataset at `url`,
     `StorageError` when the store fails).
     """
@@ -191,6 +194,7 @@ class PackedShardStream:
         self.device = torch.device(device) if device is not None else None
         self._pin = self.device is not None and self.device.type == "cuda"
         self.dataset = ShardDataset.open(url, storage_options=storage_options)
+        self.dataset.whole_batch_bytes = WHOLE_BATCHES_PER_WINDOW * self.config.read_ahead_bytes
         self._check_dataset()
         index = self.dataset.index
         self.costs = self.cost_model.row_costs(

@@ -280,3 +280,15 @@ def test_window_sizes(small_dataset: Path, tmp_path: Path, monkeypatch):
     sizes.clear()
     collect(PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", prefetch=8, **kw))
     assert set(sizes[:-1]) == {8}
+
+
+def test_whole_batches_kept_scale_with_read_ahead(small_dataset: Path):
+    """The bytes of remote batches kept between windows follow read_ahead_bytes (4 windows)."""
+    args = {"dp_rank": 0, "dp_size": 1, "rows_per_step": 1}
+    assert PackedShardStream(str(small_dataset), **args).dataset.whole_batch_bytes == 256 << 20
+    small = PackedShardStream(str(small_dataset), read_ahead_bytes=1 << 20, **args)
+    assert small.dataset.whole_batch_bytes == 4 << 20
+    assert (
+        PackedShardStream(str(small_dataset), read_ahead_bytes=0, **args).dataset.whole_batch_bytes
+        == 0
+    )
