@@ -13,7 +13,8 @@ Rows are read by (shard, row) through `packers.shard_file`: local shards are mem
 tokens plus, once per record batch, its small buffers (no download, ~1x the bytes of the rows
 read). `read_rows_arrays` is the trainer's fast path: numpy views per row, no Arrow object per
 row, every row checked against its `row_checksum` in index.arrow (~5 µs a row at 8K tokens),
-the batches' arrays kept in an LRU (`BATCH_ARRAYS_KEPT`). `read_rows` returns an Arrow table
+the batches' arrays kept in an LRU (`BATCH_ARRAYS_KEPT`; a remote batch read whole keeps its
+tokens too, within `whole_batch_bytes`: see `_keep`). `read_rows` returns an Arrow table
 (any columns); `verify_shard` re-hashes a whole shard against the manifest.
 
 Concurrency: one lock per shard, so readers of different shards run in parallel (what lets a
@@ -79,7 +80,7 @@ class ShardDataset:
         self.shards: list[ShardEntry] = self.parsed.shards
         self.local = _is_local(fs)
         self._files: dict[int, LocalShard | RemoteShard] = {}
-        self._lock = threading.Lock()  # guards _files, _shard_locks and _arrays
+        self._lock = threading.Lock()  # guards _files, _shard_locks, _arrays and _whole
         self._shard_locks: dict[int, threading.Lock] = {}
         self._arrays: OrderedDict[tuple[int, int], BatchArrays] = OrderedDict()
         self._whole: OrderedDict[tuple[int, int], BatchArrays] = OrderedDict()
