@@ -6,11 +6,12 @@ imported (together 3-14 s on a 2-core machine). The checks cost what they read:
 
 - output: its filesystem opens; a non-empty OUT that is no packshard dataset (or unfinished
   job) is refused; a probe file is written and deleted (`jobstate.check_output`);
-- inputs: every spec lists at least one readable file (`inputs.resolve_specs`); the first
-  file of each spec is peeked (`readers.peek`: a parquet/Arrow footer, or the first line of
-  JSON lines), which catches an empty input and a column mapping that matches nothing (the
-  error names the columns the input has). Without ``--skip-bad-records`` a first record that has
-  no sample fields fails too; other bad records are the job's to report, in input order;
+- inputs: every spec lists at least one readable file (`inputs.resolve_specs`); every file
+  of each spec is peeked, PEEK_THREADS at a time (`readers.peek`: a parquet/Arrow footer, or
+  the first line of JSON lines), which catches an empty input and a file whose columns the
+  column mapping does not match (the error names the file and the columns it has), wherever
+  it sits in a glob. Without ``--skip-bad-records`` a file whose first record has no sample
+  fields fails too; other bad records are the job's to report, in input order;
 - tokenizer: `tokenizer_loading.locate_tokenizer` (a directory that does not exist, a hub name
   that is offline and not cached, a hub that cannot be reached), without loading it.
 
@@ -21,18 +22,21 @@ botocore's own retries).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from packshard.packers import url_to_fs
 from packshard.pipeline.inputs import InputError, InputFile, resolve_specs
 from packshard.pipeline.jobstate import OutputError, check_output
-from packshard.pipeline.readers import peek
+from packshard.pipeline.readers import Peek, peek
 from packshard.pipeline.samples import BadRecord, column_problem, to_sample
 from packshard.pipeline.tokenizer_loading import TokenizerSource, locate_tokenizer
 
 if TYPE_CHECKING:
     from packshard.pipeline.config import PackConfig
+
+PEEK_THREADS = 16  # files of one input spec peeked at once
 
 
 @dataclass(frozen=True)
@@ -76,16 +80,36 @@ def _check_spec(cfg: PackConfig, spec: str, files: list[InputFile]) -> None:
         raise InputError(
             f"input {spec!r} is empty ({'0 bytes' if len(files) == 1 else f'{len(files)} files of 0 bytes'})"
         )
-    first = files[0]
-    if first.format == "demo":
+    if files[0].format == "demo":
         return
-    look = peek(first, cfg.storage_options)
-    if look.records == 0 and len(files) == 1:
-        raise InputError(f"input {spec!r} holds no records")
+    looks = _peek_all(files, cfg.storage_options)
+    if all(look.records == 0 for look in looks):
+        raise InputError(
+            f"input {spec!r} holds no records"
+            + ("" if len(files) == 1 else f" (none of its {len(files)} files)")
+        )
+    for f, look in zip(files, looks, strict=True):
+        _check_peek(cfg, f, look)
+
+
+def _peek_all(files: list[InputFile], storage_options: Any) -> list[Peek]:
+    """`readers.peek` of every file, PEEK_THREADS at a time (a footer or a first line each:
+    one small read, so a remote glob of hundreds of files takes a few request latencies). The
+    first unreadable file in input order raises."""
+    if len(files) == 1:
+        return [peek(files[0], storage_options)]
+    with ThreadPoolExecutor(min(PEEK_THREADS, len(files))) as pool:
+        futures = [pool.submit(peek, f, storage_options) for f in files]
+        return [future.result() for future in futures]
+
+
+def _check_peek(cfg: PackConfig, f: InputFile, look: Peek) -> None:
+    """A file's columns fit the column mapping; without --skip-bad-records, its first record
+    holds a sample's fields."""
     if look.columns is not None:
         problem = column_problem(look.columns, kind=cfg.kind, columns=cfg.columns)
         if problem is not None:
-            raise InputError(f"input {first.display}: {problem}")
+            raise InputError(f"input {f.display}: {problem}")
     elif look.first is not None and not cfg.skip_bad_records:
         location, record = look.first
         if isinstance(record, BadRecord):

@@ -206,3 +206,33 @@ def test_a_resume_reads_the_files_listed_now_with_the_plans_counts():
     assert f.url == now[0].url and f.records == 3 and f.checkpoints == ((0, 1),)
     with pytest.raises(OutputError, match="other input files"):
         resumed_files([InputFile("http://h/b.jsonl", "jsonl")], plan)
+
+
+def test_every_file_of_a_glob_is_peeked(tmp_path: Path):
+    """A file deep in a glob whose columns or first record do not fit fails before Ray starts,
+    named; a glob of files without records is one error."""
+    data = tmp_path / "parts"
+    data.mkdir()
+    for i in range(5):
+        table = pa.table({"messages": [CHAT["messages"]]}) if i != 3 else pa.table({"q": ["a"]})
+        pq.write_table(table, data / f"part-{i}.parquet")
+    with pytest.raises(InputError, match=r"part-3\.parquet: .*its columns are \['q'\]"):
+        preflight(config_from_args(args(data / "*.parquet", tmp_path / "out")))
+    (data / "part-3.parquet").unlink()
+    assert len(preflight(config_from_args(args(data / "*.parquet", tmp_path / "o2"))).files) == 4
+
+    lines = tmp_path / "lines"
+    lines.mkdir()
+    (lines / "a.jsonl").write_text(json.dumps(CHAT) + "\n")
+    (lines / "b.jsonl").write_text(json.dumps({"question": "a"}) + "\n")
+    with pytest.raises(InputError, match=r"b\.jsonl:line 1: missing_fields"):
+        preflight(config_from_args(args(lines / "*.jsonl", tmp_path / "o3")))
+    cfg = config_from_args(args(lines / "*.jsonl", tmp_path / "o4", "--skip-bad-records"))
+    assert len(preflight(cfg).files) == 2
+
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (blank / name).write_text("\n \n")
+    with pytest.raises(InputError, match=r"holds no records \(none of its 2 files\)"):
+        preflight(config_from_args(args(blank / "*.jsonl", tmp_path / "o5")))
