@@ -43,7 +43,7 @@ def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     (zero-copy where the dtype already matches). Values that do not fit the type raise
     OverflowError; floats are never rounded to integers (TypeError)."""
     if pa.types.is_boolean(value_type):
-        return bool_array(np.asarray(values, np.bool_))
+        return bool_array(values)
     values = np.asarray(values)
     dtype = _numpy_dtype(value_type)
     if values.ndim != 1:

@@ -204,15 +204,12 @@ class ShardDataset:
             for b, a in arrays.items():
                 if remote and a.ids is not None:
                     old = self._whole.pop((shard, b), None)
-                    self._whole_bytes += a.ids.nbytes - (
-                        old.ids.nbytes if old and old.ids is not None else 0
-                    )
+                    self._whole_bytes += _ids_bytes(a) - (_ids_bytes(old) if old else 0)
                     self._whole[(shard, b)] = a
                     a = a.without_ids()
                 self._arrays[(shard, b)] = a
             while self._whole and self._whole_bytes > self.whole_batch_bytes:
-                _, gone = self._whole.popitem(last=False)
-                self._whole_bytes -= gone.ids.nbytes if gone.ids is not None else 0
+                self._whole_bytes -= _ids_bytes(self._whole.popitem(last=False)[1])
             while len(self._arrays) > BATCH_ARRAYS_KEPT:
                 self._arrays.popitem(last=False)
 
@@ -432,6 +429,11 @@ def _no_dataset(url: str, fs: fsspec.AbstractFileSystem, root: str) -> FormatErr
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
+
+
+def _ids_bytes(arrays: BatchArrays) -> int:
+    """Bytes of a batch's kept input_ids (what `_keep` counts against `whole_batch_bytes`)."""
+    return arrays.ids.nbytes if arrays.ids is not None else 0
 
 
 def _to_numpy(col: pa.ChunkedArray) -> Any:

@@ -158,7 +158,7 @@ def build_index(shards: list[ShardRecord]) -> pa.Table:
     for number, shard in enumerate(shards):
         cols["shard"].append(np.full(shard.rows, number, dtype=np.int32))
         cols["row"].append(np.arange(shard.rows, dtype=np.int32))
-        for name in INDEX_SCHEMA.names[2:]:
+        for name in INDEX_COLUMNS:
             cols[name].append(shard.index[name])
     arrays = [
         numeric_array(np.concatenate(cols[f.name]) if cols[f.name] else np.zeros(0), f.type)

@@ -11,20 +11,26 @@ from packshard.packers import DatasetWriter, ShardDataset, pack_table
 pytestmark = pytest.mark.s3
 
 
+def write_s3(url, s3_server, ids, seq_len, **writer_kw):
+    """Pack token lists `ids` at `seq_len` and write them to `url`; (packed batch, manifest)."""
+    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))})
+    batch, _ = pack_table(table, seq_len=seq_len, pad_multiple=4, pad_token_id=7)
+    w = DatasetWriter(
+        url,
+        {"seq_len": seq_len, "pad_multiple": 4, "pad_token_id": 7, "cp": 4},
+        storage_options=s3_server["storage_options"],
+        **writer_kw,
+    )
+    w.write(batch)
+    n = len(ids)
+    return batch, w.close({"samples_in": n, "samples_kept": n, "dropped": {}})
+
+
 def test_round_trip_s3(s3_server, s3_bucket):
     rng = np.random.default_rng(1)
     ids = [rng.integers(0, 500, int(n)).astype(np.int32) for n in rng.integers(1, 900, 300)]
-    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))})
-    batch, _ = pack_table(table, seq_len=1024, pad_multiple=4, pad_token_id=7)
     url = f"s3://{s3_bucket}/run1"
-    w = DatasetWriter(
-        url,
-        {"seq_len": 1024, "pad_multiple": 4, "pad_token_id": 7, "cp": 4},
-        max_rows=40,
-        storage_options=s3_server["storage_options"],
-    )
-    w.write(batch)
-    manifest = w.close({"samples_in": 300, "samples_kept": 300, "dropped": {}})
+    batch, manifest = write_s3(url, s3_server, ids, 1024, max_rows=40)
     assert len(manifest["shards"]) > 1
     ds = ShardDataset.open(url, storage_options=s3_server["storage_options"])
     for s in range(len(ds.shards)):
@@ -46,17 +52,8 @@ def test_batches_read_whole_serve_later_rows_without_requests(s3_server, s3_buck
 
     rng = np.random.default_rng(2)
     ids = [rng.integers(0, 500, 200).astype(np.int32) for _ in range(120)]
-    table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))})
-    batch, _ = pack_table(table, seq_len=256, pad_multiple=4, pad_token_id=7)
     url = f"s3://{s3_bucket}/kept"
-    w = DatasetWriter(
-        url,
-        {"seq_len": 256, "pad_multiple": 4, "pad_token_id": 7, "cp": 4},
-        rows_per_batch=10,
-        storage_options=s3_server["storage_options"],
-    )
-    w.write(batch)
-    w.close({"samples_in": 120, "samples_kept": 120, "dropped": {}})
+    batch, _ = write_s3(url, s3_server, ids, 256, rows_per_batch=10)
     n = batch.num_rows
     first, second = list(range(0, n, 2)), list(range(1, n, 2))  # every batch dense in both
     want = batch.column("input_ids").to_pylist()
