@@ -14,6 +14,7 @@ the shared Qwen3 vocabulary, on rows packed from real chats.
 from __future__ import annotations
 
 import functools
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -122,8 +123,18 @@ def test_transformers_builds_a_document_causal_mask(rows: list, attn: str):
     batch = packed_collator(rows)
     pos = batch["position_ids"]
     embeds = torch.zeros(1, pos.shape[1], model.config.hidden_size)
+    # create_causal_mask takes ``past_key_values`` in 5.17 and ``cache`` in 5.25: None under either
+    cache_kw = (
+        "cache"
+        if "cache" in inspect.signature(create_causal_mask).parameters
+        else "past_key_values"
+    )
     mask = create_causal_mask(
-        config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=pos
+        config=model.config,
+        inputs_embeds=embeds,
+        attention_mask=None,
+        position_ids=pos,
+        **{cache_kw: None},
     )
     want = reference_mask(pos[0])
     if attn == "flex_attention":
