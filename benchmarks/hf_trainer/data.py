@@ -3,12 +3,12 @@ chats (the form TRL's SFTTrainer reads from jsonl), and packshard's offline pack
 chats (the pipeline's encoder, BFD packing and the shard writer, in one process: no Ray).
 
 The mix, from `../shared/data` (or the carried copy `prepare.sh` makes), repeated `repeats`
-times (default 2: 22,392 samples, 8.2M Qwen3 tokens):
+times (default 2: 22,270 samples, 7.7M Qwen3 tokens):
 - GSM8K train + test (8,792): user = question, assistant = answer;
 - Alpaca (999), OASST threads (400), Glaive tool calls (300, with their tools), SWE-agent
   trajectories (22, tool calls), OpenMathReasoning (505: problem, <think> solution);
 - long documents: the 30 Wikipedia articles and 7 Gutenberg parts, cut at paragraph breaks
-  into pieces of at most `LONG_CHARS` characters (~6K tokens), each a chat whose assistant
+  into 117 pieces of at most `LONG_CHARS` characters (~6K tokens), each a chat whose assistant
   turn is the piece ("Continue the text." as the user turn), so no side truncates them.
 Tool-call arguments are JSON strings and tools a JSON string, so that 🤗 datasets (TRL's side)
 keeps them as they are (it unifies dicts into structs with nulls) and both sides render the same
