@@ -250,6 +250,7 @@ def _interleaved(
         for name in order:
             if results[name] and "wrong_rows" in results[name][-1]:
                 continue
+            os.sync()  # what earlier runs wrote is on disk before this run's window opens
             r = jobs[name](rep)
             if r["rows"] != rows:
                 if strict:
@@ -318,17 +319,27 @@ def head_to_head(
     if server is not None:
         opts = server.storage_options
 
-        def fresh(name: str, rep: int) -> Path:
-            path = work / f"{name}-{rep}"
-            shutil.rmtree(path, ignore_errors=True)
-            return path
+        def cold(read: Callable[[Path], dict]) -> Callable[[int], dict]:
+            """A run with an empty cache directory of its own, deleted after it: the shards a
+            run downloads (155 MiB) are not left for the page cache to write back during the
+            next runs' windows."""
+
+            def run(rep: int) -> dict:
+                path = work / "cold-cache"
+                shutil.rmtree(path, ignore_errors=True)
+                try:
+                    return read(path)
+                finally:
+                    shutil.rmtree(path, ignore_errors=True)
+
+            return run
 
         remote = f"s3://bench/mds-{best_s3['mds']}"
         jobs |= {
-            "ours S3, cache_dir": lambda rep: ours_read("s3://bench/ours", storage_options=opts, cache_dir=fresh("oc", rep)),
+            "ours S3, cache_dir": cold(lambda c: ours_read("s3://bench/ours", storage_options=opts, cache_dir=c)),
             "ours S3, no cache": lambda rep: ours_read("s3://bench/ours", storage_options=opts),
-            "Mosaic S3 + build": lambda rep: mosaic_read(py, fresh("mb", rep), best_s3, remote=remote, build=True, endpoint=server.endpoint),
-            "Mosaic S3": lambda rep: mosaic_read(py, fresh("mc", rep), best_s3, remote=remote, endpoint=server.endpoint),
+            "Mosaic S3 + build": cold(lambda c: mosaic_read(py, c, best_s3, remote=remote, build=True, endpoint=server.endpoint)),
+            "Mosaic S3": cold(lambda c: mosaic_read(py, c, best_s3, remote=remote, endpoint=server.endpoint)),
         }  # fmt: skip
     print(f"head to head: {len(jobs)} readers x {repeats}", flush=True)
     return _interleaved(jobs, repeats, rows)
@@ -417,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{mds_bytes['64MiB'] / 2**20:.1f} MiB). One rank, one shuffled epoch, each run a fresh process, timed from the "
         "reader's constructor (manifest/index reads, S3 client creation, downloads) to the epoch's last row; library "
         f"imports (packshard, torch, s3fs / streaming, torch, boto3) before the window on both sides. Medians of {args.repeats} "
-        "interleaved rounds; moto's S3 server runs in its own process. Ours yields training-ready micro-batches (labels, "
+        "interleaved rounds; moto's S3 server runs in its own process; every cold-cache run (both sides) starts from an empty cache directory, deleted after it, and the disk is synced before every run. Ours yields training-ready micro-batches (labels, "
         "position ids, cu_seqlens, ks/ke as torch tensors; every row checked against its checksum); \"Mosaic + same build\" "
         "turns each Mosaic sample into the same micro-batch with packshard's build_microbatch (the same work, the ratio "
         "in bold); \"Mosaic raw\" only unpacks the mask (its most favourable reading). Mosaic has no cache-less mode (it "
