@@ -159,6 +159,50 @@ def test_cache_downloads_in_many_parts_exactly(small_dataset: Path, tmp_path: Pa
     )
 
 
+def test_a_failed_cache_write_is_raised_and_nothing_kept(
+    small_dataset: Path, tmp_path: Path, monkeypatch
+):
+    """The cache's writer thread failing (a full disk) fails the read with that error, after
+    the writes in flight are done, and leaves no partial file under the cache."""
+    import packshard.trainer_shim.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "PART", 4096)
+    real_open = open
+    calls = {"writes": 0}
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            calls["writes"] += 1
+            if calls["writes"] == 3:
+                raise OSError(28, "No space left on device")
+            return self.f.write(data)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FullDisk(f) if mode == "wb" and str(path).endswith(".tmp") else f
+
+    monkeypatch.setattr(cache_module, "open", failing_open, raising=False)
+    stream = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, shuffle=False,
+        read_threads=1, cache_dir=tmp_path / "c",
+    )  # fmt: skip
+    with pytest.raises(OSError, match="No space left on device"):
+        collect(stream)
+    assert calls["writes"] >= 3
+    assert (small_dataset / "shards" / "part-00000.arrow").stat().st_size > 3 * 4096
+    assert not list((tmp_path / "c").rglob("*.tmp"))  # no partial file
+    assert not list((tmp_path / "c").rglob("part-00000.arrow"))  # the failed shard is not kept
+
+
 def test_errors_arrive_after_the_good_micro_batches(copy_of):
     root = copy_of()
     (root / "shards" / "part-00002.arrow").unlink()
