@@ -31,6 +31,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -262,8 +263,19 @@ def _interleaved(
     return results
 
 
+def cache_root(work: Path, need: int) -> Path:
+    """Where the S3 runs' cold caches go (both sides): tmpfs (/dev/shm) when it has room, else
+    `work`. This machine's ext4 disk is mounted with online discard: for seconds after a large
+    file is deleted (each cold run's cache is), a 32 MiB write there takes 0.06-0.1 s instead of
+    0.005 s, at random, which timed the disk rather than either reader."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > need:
+        return Path(tempfile.mkdtemp(prefix="packshard-bench-", dir=shm))
+    return work
+
+
 def sweep_mosaic(
-    py: Path, mds: dict[str, Path], rows: int, repeats: int, server: MotoServer | None, work: Path
+    py: Path, mds: dict[str, Path], rows: int, repeats: int, server: MotoServer | None, caches: Path
 ) -> tuple[dict, dict, list[list[object]]]:
     """Mosaic's sweep; returns (best local config, best S3 config or {}, table rows)."""
     table: list[list[object]] = []
@@ -274,7 +286,7 @@ def sweep_mosaic(
         def job(c: dict, where: str = where) -> Callable[[int], dict]:
             if where == "local":
                 return lambda rep: mosaic_read(py, mds[c["mds"]], c, timeout=SWEEP_TIMEOUT)
-            cache = work / "sweep-cache"
+            cache = caches / "sweep-cache"
 
             def remote(rep: int) -> dict:
                 shutil.rmtree(cache, ignore_errors=True)
@@ -309,7 +321,7 @@ def sweep_mosaic(
 
 def head_to_head(
     py: Path, ours: Path, mds: dict[str, Path], best_local: dict, best_s3: dict,
-    rows: int, repeats: int, server: MotoServer | None, work: Path,
+    rows: int, repeats: int, server: MotoServer | None, caches: Path,
 ) -> dict[str, list[dict]]:  # fmt: skip
     jobs: dict[str, Callable[[int], dict]] = {
         "ours local": lambda rep: ours_read(str(ours)),
@@ -325,7 +337,7 @@ def head_to_head(
             next runs' windows."""
 
             def run(rep: int) -> dict:
-                path = work / "cold-cache"
+                path = caches / "cold-cache"
                 shutil.rmtree(path, ignore_errors=True)
                 try:
                     return read(path)
@@ -397,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     mds = {name: work / f"mds-{name}" for name in MDS_SIZES}
     mds_bytes = {name: mosaic_write(py, raw, mds[name], size)["bytes"] for name, size in MDS_SIZES.items()}  # fmt: skip
     server = None if args.no_s3 else MotoServer()
+    caches = cache_root(work, 4 * sum(mds_bytes.values()))
     try:
         if server is not None:
             client = server.client()
@@ -404,13 +417,17 @@ def main(argv: list[str] | None = None) -> int:
             server.upload("bench", "ours", ours)
             for name, path in mds.items():
                 server.upload("bench", f"mds-{name}", path)
-        best_local, best_s3, sweep = sweep_mosaic(py, mds, n_rows, args.sweep_repeats, server, work)
+        best_local, best_s3, sweep = sweep_mosaic(
+            py, mds, n_rows, args.sweep_repeats, server, caches
+        )
         results = head_to_head(
-            py, ours, mds, best_local, best_s3, n_rows, args.repeats, server, work
+            py, ours, mds, best_local, best_s3, n_rows, args.repeats, server, caches
         )
     finally:
         if server is not None:
             server.stop()
+        if caches != work:
+            shutil.rmtree(caches, ignore_errors=True)
     headers = [
         "packshard reading (1 rank, shuffled epoch)", "rows/s", "M tokens/s",
         "Mosaic + same build, rows/s", "ratio", "Mosaic raw samples, rows/s", "ratio", "load (1 min)",
@@ -428,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{mds_bytes['64MiB'] / 2**20:.1f} MiB). One rank, one shuffled epoch, each run a fresh process, timed from the "
         "reader's constructor (manifest/index reads, S3 client creation, downloads) to the epoch's last row; library "
         f"imports (packshard, torch, s3fs / streaming, torch, boto3) before the window on both sides. Medians of {args.repeats} "
-        "interleaved rounds; moto's S3 server runs in its own process; every cold-cache run (both sides) starts from an empty cache directory, deleted after it, and the disk is synced before every run. Ours yields training-ready micro-batches (labels, "
+        "interleaved rounds; moto's S3 server runs in its own process; every cold-cache run (both sides) starts from an empty cache directory, deleted after it, on tmpfs (/dev/shm) where it has room (this disk, mounted with online discard, slows writes at random after a deletion), and the disk is synced before every run. Ours yields training-ready micro-batches (labels, "
         "position ids, cu_seqlens, ks/ke as torch tensors; every row checked against its checksum); \"Mosaic + same build\" "
         "turns each Mosaic sample into the same micro-batch with packshard's build_microbatch (the same work, the ratio "
         "in bold); \"Mosaic raw\" only unpacks the mask (its most favourable reading). Mosaic has no cache-less mode (it "
