@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import urllib.parse
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ PLAN_NAME = f"{JOB_DIR}/plan.json"
 MARKERS_DIR = f"{JOB_DIR}/shards"
 JOB_STATE_VERSION = 1
 PROBE_PREFIX = ".packshard-write-probe-"
+CONNECT_TIMEOUT_S = 3.0  # for the endpoint check of an object store (check_reachable)
 OUR_NAMES = frozenset({MANIFEST_NAME, INDEX_NAME, SHARDS_DIR, JOB_DIR})
 TMP_NAMES = frozenset({f"{MANIFEST_NAME}.tmp", f"{INDEX_NAME}.tmp"})
 
@@ -85,13 +88,36 @@ def foreign_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     return sorted(n for n in names if n and not _our_name(n))
 
 
+def check_reachable(fs: fsspec.AbstractFileSystem, url: str) -> None:
+    """An object store given an explicit endpoint (``endpoint_url``, as s3fs takes it) accepts a
+    TCP connection within CONNECT_TIMEOUT_S. Without this, an endpoint that refuses or drops
+    connections fails only after s3fs's and botocore's retries (5-10 s here)."""
+    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get(
+        "endpoint_url"
+    )
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        return
+    parts = urllib.parse.urlsplit(endpoint)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise OutputError(
+            f"output {url} is not writable (cannot connect to its endpoint {redact_url(endpoint)}: {why})"
+        ) from None
+
+
 def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
     """Before any work: OUT is a file-free place for a dataset, and writable.
 
-    A non-empty OUT that holds neither a dataset nor an unfinished job is refused, whatever the
-    flags (--overwrite deletes only what a pack job writes, so it would leave the user's files
-    mixed with ours). Then a probe file is written and deleted.
+    An object store's endpoint is tried first (`check_reachable`). A non-empty OUT that holds
+    neither a dataset nor an unfinished job is refused, whatever the flags (--overwrite deletes
+    only what a pack job writes, so it would leave the user's files mixed with ours). Then a
+    probe file is written and deleted.
     """
+    check_reachable(fs, url)
     try:
         if fs.exists(root) and not fs.isdir(root):
             raise OutputError(f"output {url} is a file; give a directory (or a URL prefix)")
