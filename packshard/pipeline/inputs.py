@@ -32,7 +32,7 @@ import fsspec
 
 from packshard.packers import url_to_fs
 from packshard.packers.urls import DEMO_SCHEME, redact_text, redact_url
-from packshard.pipeline.storage import storage_errors
+from packshard.pipeline.storage import storage_errors, unreachable_endpoint
 
 _EXTENSIONS = {
     ".jsonl": "jsonl",
@@ -175,6 +175,9 @@ def _resolve_one(
         fs, path = url_to_fs(spec, storage_options)
     except (ImportError, ValueError) as e:
         raise InputError(f"input {spec!r}: cannot open its filesystem ({e})") from None
+    why = unreachable_endpoint(fs)
+    if why is not None:
+        raise InputError(f"input {spec!r}: {why}")
     try:
         if _is_glob(fs, path):
             paths = sorted(p for p in fs.glob(path) if fs.isfile(p))

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
-import urllib.parse
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,7 +47,7 @@ import fsspec
 from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, shard_name
 from packshard.packers.writer import write_json_atomic
 from packshard.pipeline.inputs import redact_text, redact_url
-from packshard.pipeline.storage import describe, storage_errors
+from packshard.pipeline.storage import describe, storage_errors, unreachable_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +56,6 @@ PLAN_NAME = f"{JOB_DIR}/plan.json"
 MARKERS_DIR = f"{JOB_DIR}/shards"
 JOB_STATE_VERSION = 1
 PROBE_PREFIX = ".packshard-write-probe-"
-CONNECT_TIMEOUT_S = 3.0  # for the endpoint check of an object store (check_reachable)
 OUR_NAMES = frozenset({MANIFEST_NAME, INDEX_NAME, SHARDS_DIR, JOB_DIR})
 TMP_NAMES = frozenset({f"{MANIFEST_NAME}.tmp", f"{INDEX_NAME}.tmp"})
 
@@ -89,24 +86,11 @@ def foreign_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
 
 
 def check_reachable(fs: fsspec.AbstractFileSystem, url: str) -> None:
-    """An object store given an explicit endpoint (``endpoint_url``, as s3fs takes it) accepts a
-    TCP connection within CONNECT_TIMEOUT_S. Without this, an endpoint that refuses or drops
-    connections fails only after s3fs's and botocore's retries (5-10 s here)."""
-    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get(
-        "endpoint_url"
-    )
-    if not isinstance(endpoint, str) or "://" not in endpoint:
-        return
-    parts = urllib.parse.urlsplit(endpoint)
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        with socket.create_connection((parts.hostname or "", port), timeout=CONNECT_TIMEOUT_S):
-            pass
-    except (OSError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
-        raise OutputError(
-            f"output {url} is not writable (cannot connect to its endpoint {redact_url(endpoint)}: {why})"
-        ) from None
+    """OUT's object store endpoint, if it names one, accepts a connection (see
+    `storage.unreachable_endpoint`): one error at once instead of after the client's retries."""
+    why = unreachable_endpoint(fs)
+    if why is not None:
+        raise OutputError(f"output {url} is not writable ({why})")
 
 
 def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:

@@ -1,4 +1,5 @@
-"""The errors storage libraries raise through fsspec, for narrow ``except`` clauses.
+"""The errors storage libraries raise through fsspec, for narrow ``except`` clauses, and a quick
+check that an object store's explicit endpoint can be reached at all.
 
 fsspec filesystems do not translate every failure into `OSError`: s3fs lets botocore's
 `NoCredentialsError` / `EndpointConnectionError` through, gcsfs google-auth's errors, the http
@@ -10,7 +11,35 @@ which the dataset reader shares.
 
 from __future__ import annotations
 
+import socket
+import urllib.parse
+from typing import Any
+
 from packshard.packers.format import describe_error as describe
 from packshard.packers.format import library_errors as storage_errors
+from packshard.packers.urls import redact_url
 
-__all__ = ["describe", "storage_errors"]
+__all__ = ["CONNECT_TIMEOUT_S", "describe", "storage_errors", "unreachable_endpoint"]
+
+CONNECT_TIMEOUT_S = 3.0
+
+
+def unreachable_endpoint(fs: Any) -> str | None:
+    """Why an object store given an explicit endpoint (``endpoint_url``, as s3fs takes it, or
+    in its ``client_kwargs``) cannot be used: it does not accept a TCP connection within
+    CONNECT_TIMEOUT_S. None when it does, or when the filesystem names no endpoint. Without this
+    check an endpoint that refuses connections fails only after s3fs's and botocore's retries
+    (5-10 s)."""
+    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get(
+        "endpoint_url"
+    )
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        return None
+    parts = urllib.parse.urlsplit(endpoint)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        return f"cannot connect to its endpoint {redact_url(endpoint)}: {why}"

@@ -176,6 +176,25 @@ def test_output_on_an_unreachable_s3_endpoint_is_one_line(tmp_path: Path, good: 
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.s3
+def test_input_on_an_unreachable_s3_endpoint_is_one_line(tmp_path: Path):
+    endpoint = f"endpoint_url=http://user:SECRET@127.0.0.1:{_closed_port()}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "a",
+        "AWS_SECRET_ACCESS_KEY": "b",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    rc, err = pack(
+        *args("s3://bucket/data/*.jsonl", tmp_path / "out", "--storage-option", endpoint), env=env
+    )
+    # refused at the TCP connect, before any S3 request; the endpoint's user info is not printed
+    assert (
+        rc == 1
+        and "input 's3://bucket/data/*.jsonl': cannot connect to its endpoint http://" in err
+    )
+    assert "SECRET" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_credentials_in_an_input_url_are_never_printed(tmp_path: Path):
     url = f"http://user:SECRET@127.0.0.1:{_closed_port()}/data/x.jsonl?sig=SECRET&X-Amz-Credential=SECRET"
     rc, err = pack(*args(url, tmp_path / "out"))
