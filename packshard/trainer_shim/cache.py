@@ -189,8 +189,8 @@ class ShardCache:
         order as they arrive and handed to one writer thread, a new request going out as each
         part is hashed: the disk absorbs a part (0.005-0.09 s for 32 MiB on a slow virtual
         disk) while the next ones download, with at most WRITES_BEHIND parts waiting for it.
-        The file takes its final name only once its `bytes` bytes match the manifest's checksum (a longer
-        object is cut to them, a shorter one fails)."""
+        The file takes its final name only once its `bytes` bytes match the manifest's checksum
+        (a longer object is cut to them, a shorter one fails)."""
         entry = self.remote.shards[shard]
         where = f"{self.remote.url}/{entry.path}"
         path = f"{self.remote.root}/{entry.path}"

@@ -30,6 +30,13 @@ PROBE = (
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
 
 
+DUMMY_AWS = {
+    "AWS_ACCESS_KEY_ID": "a",
+    "AWS_SECRET_ACCESS_KEY": "b",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,12 +168,7 @@ def test_output_that_cannot_be_written(tmp_path: Path, good: Path):
 @pytest.mark.s3
 def test_output_on_an_unreachable_s3_endpoint_is_one_line(tmp_path: Path, good: Path):
     endpoint = f"endpoint_url=http://127.0.0.1:{_closed_port()}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "a",
-        "AWS_SECRET_ACCESS_KEY": "b",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    rc, err = pack(*args(good, "s3://bucket/out", "--storage-option", endpoint), env=env)
+    rc, err = pack(*args(good, "s3://bucket/out", "--storage-option", endpoint), env=DUMMY_AWS)
     # refused at the TCP connect, before any S3 request (botocore and s3fs retry those for 5-10 s)
     assert (
         rc == 1
@@ -179,13 +181,9 @@ def test_output_on_an_unreachable_s3_endpoint_is_one_line(tmp_path: Path, good: 
 @pytest.mark.s3
 def test_input_on_an_unreachable_s3_endpoint_is_one_line(tmp_path: Path):
     endpoint = f"endpoint_url=http://user:SECRET@127.0.0.1:{_closed_port()}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "a",
-        "AWS_SECRET_ACCESS_KEY": "b",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
     rc, err = pack(
-        *args("s3://bucket/data/*.jsonl", tmp_path / "out", "--storage-option", endpoint), env=env
+        *args("s3://bucket/data/*.jsonl", tmp_path / "out", "--storage-option", endpoint),
+        env=DUMMY_AWS,
     )
     # refused at the TCP connect, before any S3 request; the endpoint's user info is not printed
     assert (
@@ -193,6 +191,34 @@ def test_input_on_an_unreachable_s3_endpoint_is_one_line(tmp_path: Path):
         and "input 's3://bucket/data/*.jsonl': cannot connect to its endpoint http://" in err
     )
     assert "SECRET" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_endpoint_check_connects_directly_only_without_a_proxy(monkeypatch):
+    """`unreachable_endpoint` reads s3fs's two ways of naming an endpoint, and stays silent
+    where the client would go through a proxy (from the environment or botocore's config)."""
+    from types import SimpleNamespace
+
+    from packshard.pipeline.storage import unreachable_endpoint
+
+    for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        open_ = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        assert unreachable_endpoint(SimpleNamespace(endpoint_url=open_)) is None
+        assert unreachable_endpoint(SimpleNamespace(client_kwargs={"endpoint_url": open_})) is None
+    assert "cannot connect to its endpoint" in unreachable_endpoint(
+        SimpleNamespace(client_kwargs={"endpoint_url": closed})
+    )
+    assert unreachable_endpoint(SimpleNamespace()) is None  # no endpoint named: nothing to try
+    proxied = SimpleNamespace(endpoint_url=closed, config_kwargs={"proxies": {"http": closed}})
+    assert unreachable_endpoint(proxied) is None
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert unreachable_endpoint(SimpleNamespace(endpoint_url=closed)) is None
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert unreachable_endpoint(SimpleNamespace(endpoint_url=closed)) is not None
 
 
 def test_credentials_in_an_input_url_are_never_printed(tmp_path: Path):
