@@ -15,14 +15,19 @@ Errors: every problem a reader meets in a dataset is a `FormatError` naming the 
 is no committed dataset at the URL (the path is missing, empty, holds an unfinished pack job or
 other files), `StorageError` when the storage fails under a read (an unreachable endpoint,
 refused credentials, a lost connection: the library's error is chained, its first line quoted).
-`storage_errors()` lists the storage libraries' own error classes that fsspec lets through.
+`storage_errors()` lists the storage libraries' own error classes that fsspec lets through;
+`unreachable_endpoint(fs)` says, after one TCP connect, that an explicit object-store endpoint
+takes no connections (at once, instead of after the client's retries).
 """
 
 from __future__ import annotations
 
 import hashlib
 import posixpath
+import socket
 import sys
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 import xxhash
 
-from packshard.packers.urls import redact_text
+from packshard.packers.urls import redact_text, redact_url
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -126,6 +131,45 @@ def library_errors() -> tuple[type[BaseException], ...]:
 def storage_errors() -> tuple[type[BaseException], ...]:
     """OSError and `library_errors()`: what a failing store raises through fsspec."""
     return (OSError, *library_errors())
+
+
+CONNECT_TIMEOUT_S = 3.0
+
+
+def unreachable_endpoint(fs: Any) -> str | None:
+    """Why an object store given an explicit endpoint (``endpoint_url``, as s3fs takes it, or
+    in its ``client_kwargs``) cannot be used: it does not accept a TCP connection within
+    CONNECT_TIMEOUT_S. None when it does, when the filesystem names no endpoint, or when its
+    requests go through a proxy (a direct connection proves nothing then). Without this
+    check an endpoint that refuses connections fails only after s3fs's and botocore's retries
+    (5-10 s)."""
+    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get(
+        "endpoint_url"
+    )
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        return None
+    parts = urllib.parse.urlsplit(endpoint)
+    if _behind_proxy(fs, parts):
+        return None  # the client reaches the endpoint through the proxy; a direct connect may not
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "", port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        return f"cannot connect to its endpoint {redact_url(endpoint)}: {why}"
+
+
+def _behind_proxy(fs: Any, parts: urllib.parse.SplitResult) -> bool:
+    """The client's requests to this endpoint go through a proxy: one set in botocore's config
+    (``config_kwargs={"proxies": ...}``) or in the environment (``HTTP(S)_PROXY``, unless
+    ``NO_PROXY`` covers the host), as botocore and aiohttp honour them."""
+    if (getattr(fs, "config_kwargs", None) or {}).get("proxies"):
+        return True
+    return bool(
+        urllib.request.getproxies().get(parts.scheme)
+        and not urllib.request.proxy_bypass(parts.hostname or "")
+    )
 
 
 def describe_error(e: BaseException) -> str:

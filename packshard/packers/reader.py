@@ -3,7 +3,8 @@
 `ShardDataset.open(url)` reads manifest.json and checks every field a reader relies on
 (`packers.manifest`); a URL without a committed dataset raises `DatasetNotFoundError` saying
 what is there instead (nothing, an empty directory, an unfinished pack job, other files), a
-failing store `StorageError`. `index` reads index.arrow once and checks it against the manifest.
+failing store `StorageError` (an explicit endpoint that takes no connection at once, after one
+TCP connect: `format.unreachable_endpoint`). `index` reads index.arrow once and checks it against the manifest.
 Every problem met later (a damaged shard, a row that does not match its checksum, a store that
 stops answering) is a `FormatError` naming the file: no pyarrow, numpy or botocore error
 reaches the caller.
@@ -50,6 +51,7 @@ from packshard.packers.format import (
     reading,
     split_checksum,
     storage_errors,
+    unreachable_endpoint,
 )
 from packshard.packers.manifest import (
     Manifest,
@@ -91,6 +93,9 @@ class ShardDataset:
     def open(cls, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ShardDataset:
         fs, root = url_to_fs(url, storage_options)
         shown = redact_url(url)
+        why = unreachable_endpoint(fs)  # at once, not after the client's retries (5-10 s)
+        if why is not None:
+            raise StorageError(f"{shown}: {why}")
         try:
             raw = fs.cat_file(f"{root}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError):
