@@ -19,7 +19,7 @@ STAMP_NEWEST := $(VENV_NEWEST)/.installed
 # protocol imports (tests/trainer_shim/test_titan.py; it skips where torchtitan is absent).
 TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 spmd_types==0.2.3 einops safetensors docstring-parser
 # Type-checked packages (pyproject.toml [tool.mypy] holds the settings).
-TYPED := packshard/packers packshard/trainer_shim
+TYPED := packshard/packers packshard/pipeline packshard/trainer_shim
 
 .PHONY: install demo test test-suite test-newest lint typecheck format clean
 

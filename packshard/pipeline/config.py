@@ -21,14 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from packshard.packers import ALGORITHMS, OVERLONG_POLICIES
+from packshard.packers import ALGORITHMS, OVERLONG_POLICIES, Algorithm, OverlongPolicy
 from packshard.pipeline.options import add_storage_option_flag, parse_key_values
 from packshard.pipeline.planning import (
     DEFAULT_CARRY_ROWS,
     DEFAULT_SHARD_TOKENS,
     DEFAULT_WINDOW_ROWS,
 )
-from packshard.pipeline.samples import KINDS, KNOWN_ROLES, parse_columns
+from packshard.pipeline.samples import KINDS, KNOWN_ROLES, Kind, parse_columns
 from packshard.pipeline.tokenizer_loading import DEMO_TOKENIZER
 
 DEMO_INPUT = "demo://"
@@ -48,14 +48,14 @@ class PackConfig:
     pad_multiple: int
     pad_token_id: int | None = None
     cp_layout: str = "contiguous"
-    algorithm: str = "bfd"
+    algorithm: Algorithm = "bfd"
     window_rows: int = DEFAULT_WINDOW_ROWS
     carry_rows: int = DEFAULT_CARRY_ROWS
     shard_tokens: int = DEFAULT_SHARD_TOKENS
-    overlong: str = "truncate"
+    overlong: OverlongPolicy = "truncate"
     shuffle: bool = False
     seed: int = 0
-    kind: str = "auto"
+    kind: Kind = "auto"
     columns: Mapping[str, str] = field(default_factory=dict)
     loss_roles: tuple[str, ...] = ("assistant",)
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -125,9 +125,9 @@ class PackConfig:
                 None,
                 "give --tokenizer (or, for pre-tokenized inputs only, --pad-token-id)",
             )
-        for flag, value in (("--num-cpus", self.num_cpus), ("--num-workers", self.num_workers)):
-            if value is not None and value < 1:
-                raise bad(flag, value, "a positive integer")
+        for flag, count in (("--num-cpus", self.num_cpus), ("--num-workers", self.num_workers)):
+            if count is not None and count < 1:
+                raise bad(flag, count, "a positive integer")
 
     @property
     def window_tokens(self) -> int:

@@ -47,7 +47,11 @@ import fsspec
 from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, shard_name
 from packshard.packers.writer import write_json_atomic
 from packshard.pipeline.inputs import redact_text, redact_url
-from packshard.pipeline.storage import describe, storage_errors, unreachable_endpoint
+from packshard.pipeline.storage import (
+    describe,
+    storage_errors_with,
+    unreachable_endpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +120,7 @@ def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
                     "new or empty directory (packshard never mixes its files with others, and "
                     "--overwrite deletes only what a pack job wrote)"
                 )
-    except (OSError, ValueError, *storage_errors()) as e:
+    except storage_errors_with(OSError, ValueError) as e:
         if isinstance(e, OutputError):
             raise
         raise OutputError(f"output {url} is not writable ({describe(e)})") from None
@@ -131,7 +135,7 @@ def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         with fs.open(probe, "wb") as f:
             f.write(b"packshard write probe\n")
         fs.rm(probe)
-    except (OSError, ValueError, *storage_errors()) as e:
+    except storage_errors_with(OSError, ValueError) as e:
         raise OutputError(f"output {url} is not writable ({describe(e)})") from None
 
 

@@ -450,10 +450,10 @@ class _RedactingFilter(logging.Filter):
         return True
 
 
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _StderrHandler(logging.StreamHandler):
     """Writes to the sys.stderr of the moment (a test's capture, a redirected stream)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 
@@ -502,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130 if name == "SIGINT" else 143
-    except (*_scheduler_error("JobError"), *USER_ERRORS) as e:
+    except _scheduler_error("JobError") + USER_ERRORS as e:
         print(f"packshard pack: error: {redact_text(str(e))}", file=sys.stderr)
         return 1
 

@@ -115,7 +115,7 @@ def _check_peek(cfg: PackConfig, f: InputFile, look: Peek) -> None:
         if isinstance(record, BadRecord):
             return  # a malformed line: the job reports the first bad record in input order
         try:
-            to_sample(record, kind=cfg.kind, columns=cfg.columns)  # type: ignore[arg-type]
+            to_sample(record, kind=cfg.kind, columns=cfg.columns)
         except BadRecord as e:
             if e.reason == "missing_fields":
                 raise InputError(f"{location}: {e}") from None

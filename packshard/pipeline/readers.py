@@ -65,7 +65,7 @@ def _open(
     if f.compression == "zstd":
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))  # type: ignore[return-value]
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
     return raw
 
 
@@ -223,9 +223,9 @@ def read_records(
             for i in range(start, stop):
                 yield f"{f.display}:row {i + 1}", recs[i]
         elif f.format == "json":
-            recs = _json_records(f, storage_options)
+            records = _json_records(f, storage_options)
             for i in range(start, stop):
-                yield f"{f.display}:record {i + 1}", recs[i]
+                yield f"{f.display}:record {i + 1}", records[i]
         else:
             yield from _read_table(f, start, stop, storage_options, fields)
     except (OSError, EOFError, pa.ArrowInvalid) as e:

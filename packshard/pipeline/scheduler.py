@@ -47,6 +47,7 @@ from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
 from packshard.pipeline.tasks import (
+    BlockData,
     BlockMeta,
     ShardResult,
     ShardVerifyError,
@@ -61,7 +62,10 @@ log = logging.getLogger(__name__)
 
 count_remote = ray.remote(num_cpus=1, max_retries=3)(count_records)
 tokenize_remote = ray.remote(num_cpus=1, max_retries=3, num_returns=2)(tokenize_block)
-pack_remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ShardVerifyError])(pack_shard)
+# Ray retries on the exception types listed in retry_exceptions; its stubs type that as a bool only.
+pack_remote = ray.remote(  # type: ignore[call-overload]
+    num_cpus=1, max_retries=3, retry_exceptions=[ShardVerifyError]
+)(pack_shard)
 check_remote = ray.remote(num_cpus=1, max_retries=3)(check_shard)
 warm_remote = ray.remote(num_cpus=1, max_retries=0)(warm_up)
 
@@ -331,7 +335,10 @@ class Scheduler:
                 return
             b = self.todo.pop(0)
             blk = self.blocks[b]
-            meta_ref, data_ref = tokenize_remote.remote(
+            # num_returns=2: one ref per returned value (Ray's stubs type it as a single ref)
+            meta_ref: ray.ObjectRef[BlockMeta]
+            data_ref: ray.ObjectRef[BlockData]
+            meta_ref, data_ref = tokenize_remote.remote(  # type: ignore[misc]
                 self.spec, self.files[blk.file], blk.start, blk.stop, blk.first_id
             )
             self.pending_tok[meta_ref] = (b, data_ref)
@@ -360,7 +367,7 @@ class Scheduler:
             )
         self.contrib[blk.first_id : blk.end_id] = contributions(
             meta.lengths, self.spec.seq_len, self.spec.overlong
-        )  # type: ignore[arg-type]
+        )
         self.known[b] = True
         self.data[b] = data_ref
         self.held_tokens[b] = meta.tokens

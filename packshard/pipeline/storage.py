@@ -16,4 +16,17 @@ from packshard.packers.format import CONNECT_TIMEOUT_S, unreachable_endpoint
 from packshard.packers.format import describe_error as describe
 from packshard.packers.format import library_errors as storage_errors
 
-__all__ = ["CONNECT_TIMEOUT_S", "describe", "storage_errors", "unreachable_endpoint"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "describe",
+    "storage_errors",
+    "storage_errors_with",
+    "unreachable_endpoint",
+]
+
+
+def storage_errors_with(*errors: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """`errors` and `storage_errors()`, for an ``except`` clause (``except
+    storage_errors_with(OSError) as e:``): evaluated when an exception is matched, so a storage
+    library first imported inside the ``try`` counts."""
+    return (*errors, *storage_errors())

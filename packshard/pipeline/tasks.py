@@ -38,7 +38,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packshard.packers import build_rows, row_index_stats, row_problems, url_to_fs, write_shard
+from packshard.packers import (
+    Algorithm,
+    OverlongPolicy,
+    build_rows,
+    row_index_stats,
+    row_problems,
+    url_to_fs,
+    write_shard,
+)
 from packshard.packers.arrays import column_numpy
 from packshard.packers.format import checksum_stream, shard_name, split_checksum
 from packshard.packers.writer import ShardRecord, index_columns, write_json_atomic
@@ -46,7 +54,7 @@ from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.jobstate import marker_path
 from packshard.pipeline.planning import ShardPlan, plan_shard_rows, window_sizes_for
 from packshard.pipeline.readers import TABLE_FORMATS, read_records, read_tables
-from packshard.pipeline.samples import REASONS, BadRecord, Tokens, source_fields, to_sample
+from packshard.pipeline.samples import REASONS, BadRecord, Kind, Tokens, source_fields, to_sample
 from packshard.pipeline.tokenization import Encoded, SampleEncoder, TokenizerPayload
 
 log = logging.getLogger(__name__)
@@ -63,7 +71,7 @@ class WorkSpec:
     storage_options: Mapping[str, Any]
     tokenizer: Any  # TokenizerPayload, a Ray ObjectRef to one, or None (pre-tokenized inputs only)
     tokenizer_fingerprint: str | None
-    kind: str
+    kind: Kind
     columns: Mapping[str, str]
     loss_roles: tuple[str, ...]
     template_kwargs: Mapping[str, Any]
@@ -71,8 +79,8 @@ class WorkSpec:
     seq_len: int
     pad_multiple: int
     pad_token_id: int
-    algorithm: str
-    overlong: str
+    algorithm: Algorithm
+    overlong: OverlongPolicy
     carry_rows: int
     rows_per_batch: int
     config_digest: str
@@ -286,7 +294,7 @@ def tokenize_block(
                 to_sample(
                     record, kind=spec.kind, columns=spec.columns, has_chat_template=has_template
                 )
-            )  # type: ignore[arg-type]
+            )
         except BadRecord as e:
             samples.append(e)
     encoded = (
@@ -300,15 +308,15 @@ def tokenize_block(
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     examples: list[tuple[int, str, str, str]] = []
-    for i, e in enumerate(encoded):
-        if isinstance(e, BadRecord):
-            status[i] = REASONS.index(e.reason) + 1
+    for i, enc in enumerate(encoded):
+        if isinstance(enc, BadRecord):
+            status[i] = REASONS.index(enc.reason) + 1
             if len(examples) < MAX_EXAMPLES:
-                examples.append((first_id + i, locations[i], e.reason, e.detail))
+                examples.append((first_id + i, locations[i], enc.reason, enc.detail))
         else:
-            lengths[i] = e.ids.size
-            ids.append(e.ids)
-            masks.append(e.mask)
+            lengths[i] = enc.ids.size
+            ids.append(enc.ids)
+            masks.append(enc.mask)
     tokens = np.concatenate(ids) if ids else np.zeros(0, np.int32)
     mask = np.concatenate(masks) if masks else np.zeros(0, np.bool_)
     return _block(first_id, lengths, status, tokens, mask, examples, t0)
@@ -403,8 +411,8 @@ def pack_shard(
         kept_lengths,
         window_sizes_for(plan.window_ends, plan.start, kept + plan.start),
         seq_len=spec.seq_len,
-        overlong=spec.overlong,  # type: ignore[arg-type]
-        algorithm=spec.algorithm,  # type: ignore[arg-type]
+        overlong=spec.overlong,
+        algorithm=spec.algorithm,
         carry_rows=spec.carry_rows,
     )
     pieces = packed.pieces
