@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test` (see README.md).
-# `make test` is what CI runs (.ci/run): lint, type check, the whole suite, then the fast suite
-# again under the newest dependencies the pins allow on Python 3.12.
+# `make test` is what CI runs (.ci/run): lint, type check, the whole suite, the Hugging Face
+# facing tests under the GPU image's transformers, then the fast suite again under the newest
+# dependencies the pins allow on Python 3.12.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,10 +19,19 @@ STAMP_NEWEST := $(VENV_NEWEST)/.installed
 # take: the tests of its adapter get it without dependency resolution, with what its dataloader
 # protocol imports (tests/trainer_shim/test_titan.py; it skips where torchtitan is absent).
 TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyro==1.0.17 spmd_types==0.2.3 einops safetensors docstring-parser
+# The GPU image's transformers, older than the main venv's: its arguments move between releases
+# (the DSA indexer cache's is `past_key_values` in 5.17, `cache` in 5.25), so the tests that
+# touch transformers and TRL run again with it, installed without resolution into a directory
+# put first on PYTHONPATH (the rest comes from the main venv). huggingface-hub 2 needs a newer one.
+GPU_IMAGE_TRANSFORMERS := 5.17.0
+GPU_IMAGE_HF_DIR := .venv-gpu-image-hf
+HF_TESTS := tests/kernels/test_hf_dsa.py tests/trainer_shim/test_hf_collator.py tests/trainer_shim/test_hf_dataset.py \
+	tests/integration/test_hf_trainer.py tests/integration/test_hf_trainer_ddp.py \
+	tests/pipeline/test_tokenization.py tests/pipeline/test_tokenizer_source.py
 # Type-checked packages (pyproject.toml [tool.mypy] holds the settings).
 TYPED := packshard/packers packshard/pipeline packshard/trainer_shim
 
-.PHONY: install demo test test-suite test-newest lint typecheck format clean
+.PHONY: install demo test test-suite test-gpu-image-hf test-newest lint typecheck format clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,10 +55,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/packshard pack --demo --output $(DEMO_OUT) --overwrite
 
-test: lint typecheck test-suite test-newest
+test: lint typecheck test-suite test-gpu-image-hf test-newest
 
 test-suite: $(STAMP)
 	$(BIN)/python -m pytest --durations=15
+
+test-gpu-image-hf: $(STAMP)
+	rm -rf $(GPU_IMAGE_HF_DIR)
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --target $(GPU_IMAGE_HF_DIR) "transformers==$(GPU_IMAGE_TRANSFORMERS)" "huggingface-hub>=1.5,<2"
+	PYTHONPATH=$(GPU_IMAGE_HF_DIR) $(BIN)/python -c "import transformers, huggingface_hub; print('gpu image hf: transformers', transformers.__version__, 'huggingface-hub', huggingface_hub.__version__); assert transformers.__version__ == '$(GPU_IMAGE_TRANSFORMERS)'"
+	PYTHONPATH=$(GPU_IMAGE_HF_DIR) $(BIN)/python -m pytest -q $(HF_TESTS)
 
 test-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -c "import numpy, pyarrow, transformers, torch, sys; print('newest:', sys.version.split()[0], 'numpy', numpy.__version__, 'pyarrow', pyarrow.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
