@@ -4,6 +4,7 @@ cu_seqlens, ks/ke, and a packed row's loss equal to its documents' losses."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -39,6 +40,16 @@ def test_hand_example():
     ) == (5, 3, 8, 13, 5)
     # a loss-masked first token is never a target: loss_mask all on still gives 3 targets
     assert build_microbatch(ids, ids > 0, np.array([3, 2]))["num_loss_tokens"] == 3
+
+
+def test_documents_longer_than_the_row_raise():
+    ids = np.zeros(8, np.int32)
+    with pytest.raises(ValueError, match="documents hold 9 tokens, more than the row's 8"):
+        build_microbatch(ids, ids > 0, np.array([5, 4], np.int32))
+    # a row exactly full has no padding segment; int64 and int32 document lengths agree
+    for dtype in (np.int32, np.int64):
+        mb = build_microbatch(ids, ids > 0, np.array([5, 3], dtype))
+        assert mb["cu_seqlens"].tolist() == [0, 5, 8] and mb["attn_cost"] == 34
 
 
 def test_cp_chunk_of_hand_example():
