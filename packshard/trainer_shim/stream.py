@@ -20,7 +20,7 @@ What happens, per rank:
    downloaded whole once, verified, and memory-mapped (`reading.py`, `cache.py`). The thread
    does the waiting (page faults, requests, downloads), not the CPU work.
 3. The iterator builds each micro-batch from its row when asked (labels, position ids,
-   cu_seqlens, ks/ke, the CP chunk: `microbatch.py`; ~30 µs at 8K tokens) as CPU tensors,
+   cu_seqlens, ks/ke, the CP chunk: `microbatch.py`; ~27 µs at 8K tokens) as CPU tensors,
    pinned when the device is CUDA (`ks_host` / `ke_host` keep the ranges' host copies, for the
    indexer), and copies them to the device with ``non_blocking=True``, so the copy overlaps the
    previous micro-step's compute. Building in the prefetch thread instead cost twice the CPU:
