@@ -397,9 +397,11 @@ def test_hadamard_matrix_and_settings() -> None:
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_matrix(24, torch.float32, torch.device("cpu"))
     indexer = first_indexer(tiny_model("glm_moe_dsa"))
-    with use_packshard_indexer(indexer, config=CONFIG):
-        with pytest.raises(ValueError, match="hadamard=False; call .restore"):
-            use_packshard_indexer(indexer, config=CONFIG, hadamard=True)
+    with (
+        use_packshard_indexer(indexer, config=CONFIG),
+        pytest.raises(ValueError, match=r"hadamard=False; call \.restore"),
+    ):
+        use_packshard_indexer(indexer, config=CONFIG, hadamard=True)
     indexer.head_dim = 24
     with pytest.raises(ValueError, match="index_head_dim=24"):
         use_packshard_indexer(indexer, hadamard=True)
