@@ -19,7 +19,8 @@ between CUDA events with the device synchronised before:
   only the fp32 summation order changes); the best median is the peer (settings not reached
   within `--budget-s` are skipped and listed; the run takes ~2 minutes on an H200);
 - ours: the same module after `use_packshard_indexer` (q/k/weights projections, RoPE, ranges from
-  the position ids with their host copy, the fp8 kernel, index mapping: the whole forward).
+  the position ids with their host copy, the fp8 kernel, index mapping: the whole forward), and
+  again with `hadamard=True` (q and k rotated before fp8: its cost and its selections' overlap).
 
 Selected keys, two ways (the fp8 tolerance rule of `packshard.kernels.hf`):
 - exact inputs: the layer's projections set so that q, k and the head weights are small
@@ -367,9 +368,15 @@ def bench_size(s: int, indexer, rotary, opts: argparse.Namespace, cfg: IndexerCo
     print(
         f"  S={s} ours: {res['ours_ms']:.2f} ms ({res['speedup']:.1f}x the best peer)", flush=True
     )
+    with use_packshard_indexer(indexer, config=cfg, hadamard=True):
+        times = time_ms(ours_fn, opts.reps, opts.warmup, cuda)
+        rotated = ours_fn()[0]
+    res["rotated_ms"], res["rotated_runs"] = statistics.median(times), times
+    print(f"  S={s} ours, hadamard=True: {res['rotated_ms']:.2f} ms", flush=True)
     best_sel = sel[(best["chunk"], best["tf32"])]
     t = s
     res["random"] = dict(vs_best_peer=overlap(ours, best_sel, ks, ke, topk, t))
+    res["random"]["rotated_vs_best_peer"] = overlap(rotated, best_sel, ks, ke, topk, t)
     chunked = [p for p in res["peers"] if p["chunk"] is not None]
     if (None, False) in sel:
         res["random"]["vs_own"] = overlap(ours, sel[(None, False)], ks, ke, topk, t)
@@ -410,7 +417,7 @@ def _free() -> int:
 
 CHECK_HEADERS = [
     "tokens", "wrong ours / own", "identical", "tied", "differ untied",
-    "random overlap (identical)", "own whole vs chunked", "rows > topk",
+    "random overlap (identical)", "own whole vs chunked", "hadamard=True vs best own", "rows > topk",
 ]  # fmt: skip
 
 
@@ -429,8 +436,17 @@ def render(results: list[dict], meta: dict) -> str:
         )
         if r.get("skipped_peers"):
             peer += f"; {len(r['skipped_peers'])} settings skipped for time"
+        rotated = f"{r['rotated_ms']:.2f}" if "rotated_ms" in r else "-"
         rows.append(
-            [r["tokens"], r["docs"], own, peer, f"{r['ours_ms']:.2f}", f"{r['speedup']:.1f}x"]
+            [
+                r["tokens"],
+                r["docs"],
+                own,
+                peer,
+                f"{r['ours_ms']:.2f}",
+                f"{r['speedup']:.1f}x",
+                rotated,
+            ]
         )
         e, rnd = r["exact"], r["random"]
         vs_own = rnd.get("vs_own", rnd["vs_best_peer"])
@@ -441,7 +457,9 @@ def render(results: list[dict], meta: dict) -> str:
             f"{e['identical']} / {e['queries']}",
             e["tied"], e["differ_untied"],
             f"{vs_own['overlap']:.4f} ({vs_own['identical']:.3f}) vs {against}",
-            f"{floor['overlap']:.4f}" if floor else "-", vs_own["rows"],
+            f"{floor['overlap']:.4f}" if floor else "-",
+            f"{rnd['rotated_vs_best_peer']['overlap']:.4f}" if "rotated_vs_best_peer" in rnd else "-",
+            vs_own["rows"],
         ])  # fmt: skip
     body = [
         f"One `GlmMoeDsaIndexer` (H={results[0]['heads']}, D={results[0]['head_dim']}, "
@@ -449,7 +467,15 @@ def render(results: list[dict], meta: dict) -> str:
         f"of {meta['reps']} runs ({meta['clock']}) after {meta['warmup']} warm-up runs.",
         "",
         markdown_table(
-            ["tokens", "docs", "own forward ms", "best own ms (setting)", "ours ms", "best / ours"],
+            [
+                "tokens",
+                "docs",
+                "own forward ms",
+                "best own ms (setting)",
+                "ours ms",
+                "best / ours",
+                "ours, hadamard=True, ms",
+            ],
             rows,
         ),
         "",
@@ -459,7 +485,8 @@ def render(results: list[dict], meta: dict) -> str:
         "(the timed ones; queries with more than topk keys): mean overlap of ours with the "
         "model's own forward (share of identical sets; the whole-row forward where it fits, "
         "else the best chunked one), and the peer's own floor (whole row against its best "
-        "chunked setting, where both run).",
+        "chunked setting, where both run); with `hadamard=True` (q and k rotated before fp8, "
+        "as DeepSeek's reference indexer does), the overlap with the best own setting.",
         "",
         markdown_table(CHECK_HEADERS, checks),
     ]

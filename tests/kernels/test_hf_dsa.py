@@ -377,6 +377,7 @@ def test_benchmark_tiny_run_and_record(tmp_path, monkeypatch) -> None:
     assert e["ours_wrong"] == e["own_wrong"] == e["differ_untied"] == 0
     assert e["identical"] + e["tied"] >= e["queries"] == 96
     assert 0.9 < r["random"]["vs_own"]["overlap"] <= 1.0
+    assert r["rotated_ms"] > 0 and 0.9 < r["random"]["rotated_vs_best_peer"]["overlap"] <= 1.0
     from benchmarks import _results
 
     monkeypatch.setattr(_results, "RESULTS_MD", tmp_path / "RESULTS.md")
