@@ -22,7 +22,8 @@ TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 tyr
 # The GPU image's transformers, older than the main venv's: its arguments move between releases
 # (the DSA indexer cache's is `past_key_values` in 5.17, `cache` in 5.25), so the tests that
 # touch transformers and TRL run again with it, installed without resolution into a directory
-# put first on PYTHONPATH (the rest comes from the main venv). huggingface-hub 2 needs a newer one.
+# put first on PYTHONPATH (the rest comes from the main venv). huggingface-hub 2 needs a newer one;
+# hub 1.x downloads through httpx (and httpcore), which the main venv's hub 2 does not bring.
 GPU_IMAGE_TRANSFORMERS := 5.17.0
 GPU_IMAGE_HF_DIR := .venv-gpu-image-hf
 HF_TESTS := tests/kernels/test_hf_dsa.py tests/trainer_shim/test_hf_collator.py tests/trainer_shim/test_hf_dataset.py \
@@ -62,7 +63,7 @@ test-suite: $(STAMP)
 
 test-gpu-image-hf: $(STAMP)
 	rm -rf $(GPU_IMAGE_HF_DIR)
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --target $(GPU_IMAGE_HF_DIR) "transformers==$(GPU_IMAGE_TRANSFORMERS)" "huggingface-hub>=1.5,<2"
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps --target $(GPU_IMAGE_HF_DIR) "transformers==$(GPU_IMAGE_TRANSFORMERS)" "huggingface-hub>=1.5,<2" "httpx>=0.23,<1" "httpcore>=1,<2"
 	PYTHONPATH=$(GPU_IMAGE_HF_DIR) $(BIN)/python -c "import transformers, huggingface_hub; print('gpu image hf: transformers', transformers.__version__, 'huggingface-hub', huggingface_hub.__version__); assert transformers.__version__ == '$(GPU_IMAGE_TRANSFORMERS)'"
 	PYTHONPATH=$(GPU_IMAGE_HF_DIR) $(BIN)/python -m pytest -q $(HF_TESTS)
 
