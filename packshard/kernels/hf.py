@@ -72,9 +72,10 @@ other channels' differences; H spreads every channel over all of them first. Wit
 channels at 20x in the tiny test models, the share of the model's own fp32 selection that ours
 keeps rises from 0.93-0.98 to 0.98-0.99 (tests/kernels/test_hf_dsa.py); on Gaussian q and k
 without outliers it is unchanged, and with outlier channels in k alone it does not help
-(0.94-0.96 of the selection kept without it, 0.92-0.95 with it). Turn it on to match an engine that rotates (e.g. the sampler
-of an RL run); the exactness rule above then no longer applies (the rotated vectors of integer
-q and k are not e4m3 values). The indexer cache keeps the model's own, unrotated keys.
+(0.94-0.96 of the selection kept without it, 0.92-0.95 with it). Turn it on to match an engine
+that rotates (e.g. the sampler of an RL run); the exactness rule above then no longer applies
+(the rotated vectors of integer q and k are not e4m3 values). The indexer cache keeps the
+model's own, unrotated keys.
 """
 
 from __future__ import annotations
@@ -339,12 +340,16 @@ class PackshardIndexer:
         return out.to(torch.int32).view(b, s, topk)
 
 
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
 @functools.lru_cache(maxsize=8)
 def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The normalised n x n Hadamard matrix (Sylvester's construction; n a power of two):
     symmetric and orthogonal, every entry +-n^-0.5 (rounded alike in `dtype`, which scales the
     whole matrix by one factor and so changes no selection)."""
-    if n < 1 or n & (n - 1):
+    if not _power_of_two(n):
         raise ValueError(f"a Hadamard matrix here needs a power-of-two size, got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
@@ -428,10 +433,10 @@ def use_packshard_indexer(
     modules = find_indexers(model)
     if hadamard:
         for name, m in modules.items():
-            d = int(m.head_dim)
-            if d < 1 or d & (d - 1):
+            if not _power_of_two(int(m.head_dim)):
                 raise ValueError(
-                    f"hadamard=True needs a power-of-two head_dim; {name} has index_head_dim={d}"
+                    "hadamard=True needs a power-of-two head_dim; "
+                    f"{name} has index_head_dim={m.head_dim}"
                 )
     for name, m in modules.items():
         if getattr(m, "_packshard_indexer", None) is not None:

@@ -4,7 +4,8 @@
 (`packers.manifest`); a URL without a committed dataset raises `DatasetNotFoundError` saying
 what is there instead (nothing, an empty directory, an unfinished pack job, other files), a
 failing store `StorageError` (an explicit endpoint that takes no connection at once, after one
-TCP connect: `format.unreachable_endpoint`). `index` reads index.arrow once and checks it against the manifest.
+TCP connect: `format.unreachable_endpoint`). `index` reads index.arrow once and checks it
+against the manifest.
 Every problem met later (a damaged shard, a row that does not match its checksum, a store that
 stops answering) is a `FormatError` naming the file: no pyarrow, numpy or botocore error
 reaches the caller.
