@@ -274,6 +274,22 @@ def cache_root(work: Path, need: int) -> Path:
     return work
 
 
+def cold(caches: Path, read: Callable[[Path], dict]) -> Callable[[int], dict]:
+    """A cold-cache run (both sides, sweep and head to head): an empty cache directory of its
+    own, deleted after it, so the shards a run downloads (155 MiB) are not left for the page
+    cache to write back during the next runs' windows."""
+
+    def run(rep: int) -> dict:
+        path = caches / "cold-cache"
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            return read(path)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    return run
+
+
 def sweep_mosaic(
     py: Path, mds: dict[str, Path], rows: int, repeats: int, server: MotoServer | None, caches: Path
 ) -> tuple[dict, dict, list[list[object]]]:
@@ -286,16 +302,10 @@ def sweep_mosaic(
         def job(c: dict, where: str = where) -> Callable[[int], dict]:
             if where == "local":
                 return lambda rep: mosaic_read(py, mds[c["mds"]], c, timeout=SWEEP_TIMEOUT)
-            cache = caches / "sweep-cache"
-
-            def remote(rep: int) -> dict:
-                shutil.rmtree(cache, ignore_errors=True)
-                return mosaic_read(
-                    py, cache, c, remote=f"s3://bench/mds-{c['mds']}", endpoint=server.endpoint,
-                    timeout=SWEEP_TIMEOUT,
-                )  # fmt: skip
-
-            return remote
+            return cold(caches, lambda cache: mosaic_read(
+                py, cache, c, remote=f"s3://bench/mds-{c['mds']}", endpoint=server.endpoint,
+                timeout=SWEEP_TIMEOUT,
+            ))  # fmt: skip
 
         print(f"Mosaic sweep, {where}: {len(configs)} configurations x {repeats}", flush=True)
         res = _interleaved({describe(c): job(c) for c in configs}, repeats, rows, strict=False)
@@ -331,27 +341,12 @@ def head_to_head(
     if server is not None:
         opts = server.storage_options
 
-        def cold(read: Callable[[Path], dict]) -> Callable[[int], dict]:
-            """A run with an empty cache directory of its own, deleted after it: the shards a
-            run downloads (155 MiB) are not left for the page cache to write back during the
-            next runs' windows."""
-
-            def run(rep: int) -> dict:
-                path = caches / "cold-cache"
-                shutil.rmtree(path, ignore_errors=True)
-                try:
-                    return read(path)
-                finally:
-                    shutil.rmtree(path, ignore_errors=True)
-
-            return run
-
         remote = f"s3://bench/mds-{best_s3['mds']}"
         jobs |= {
-            "ours S3, cache_dir": cold(lambda c: ours_read("s3://bench/ours", storage_options=opts, cache_dir=c)),
+            "ours S3, cache_dir": cold(caches, lambda c: ours_read("s3://bench/ours", storage_options=opts, cache_dir=c)),
             "ours S3, no cache": lambda rep: ours_read("s3://bench/ours", storage_options=opts),
-            "Mosaic S3 + build": cold(lambda c: mosaic_read(py, c, best_s3, remote=remote, build=True, endpoint=server.endpoint)),
-            "Mosaic S3": cold(lambda c: mosaic_read(py, c, best_s3, remote=remote, endpoint=server.endpoint)),
+            "Mosaic S3 + build": cold(caches, lambda c: mosaic_read(py, c, best_s3, remote=remote, build=True, endpoint=server.endpoint)),
+            "Mosaic S3": cold(caches, lambda c: mosaic_read(py, c, best_s3, remote=remote, endpoint=server.endpoint)),
         }  # fmt: skip
     print(f"head to head: {len(jobs)} readers x {repeats}", flush=True)
     return _interleaved(jobs, repeats, rows)
