@@ -60,9 +60,15 @@ def worker(rank: int, url: str, port: int, out: str) -> None:
         "rows": [r for b in seen[: STEPS * GA] for r in b], "dp": list(ds.topology.as_kwargs().values()),
         "losses": losses,
     }))  # fmt: skip
-    # Leave without interpreter finalisation: the gloo process group's C++ threads, torn down
-    # by static destructors there, abort the process now and then ("terminate called without
-    # an active exception") after training succeeded; destroying the group first could hang.
+    # Leave without interpreter finalisation, a torch teardown race (gloo, CPU): Trainer's last
+    # all_gather (store_flos) leaves gloo's worker thread releasing that work's Python-owned
+    # tensors, which needs the GIL. A plain exit then aborts now and then in static destructors
+    # ("terminate called without an active exception", also with a plain list dataset: 2 of 6);
+    # destroy_process_group() and dropping the DDP model deadlocks 1 run in 4: the Reducer's
+    # dealloc joins that thread from ~ProcessGroupGloo while holding the GIL (py-spy stacks).
+    # It also deadlocks with the meter's all_gather patched out or the dataset closed after
+    # train(); a 0.5 s pause after train() avoids it (0 of 12), and a plain list dataset never
+    # deadlocked (0 of 36): what widens the window here is not known.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
