@@ -32,7 +32,7 @@ import fsspec
 
 from packshard.packers import url_to_fs
 from packshard.packers.urls import DEMO_SCHEME, redact_text, redact_url
-from packshard.pipeline.storage import storage_errors_with, unreachable_endpoint
+from packshard.pipeline.storage import storage_errors, storage_errors_with, unreachable_endpoint
 
 _EXTENSIONS = {
     ".jsonl": "jsonl",
@@ -188,7 +188,7 @@ def _resolve_one(
             return [_file(fs, path, spec, strict=True)]
     except PermissionError as e:
         raise InputError(f"input {spec!r}: permission denied ({e})") from None
-    except storage_errors_with(OSError) as e:
+    except storage_errors() as e:
         raise InputError(f"input {spec!r}: cannot be listed ({type(e).__name__}: {e})") from None
     if _looks_like_hub_name(spec):
         return _hub_dataset(spec, storage_options, split)
@@ -262,7 +262,7 @@ def _hub_dataset(
     try:
         fs, path = url_to_fs(url, storage_options)
         paths = sorted(p for p in fs.find(path) if _format_of(p))
-    except storage_errors_with(ImportError, ValueError, OSError) as e:
+    except storage_errors_with(ImportError, ValueError) as e:
         raise InputError(
             f"input {name!r} is not a local path, and the Hugging Face hub dataset of that name cannot "
             f"be listed ({type(e).__name__}: {e}); check the name and network access"

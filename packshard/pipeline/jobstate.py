@@ -120,7 +120,7 @@ def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
                     "new or empty directory (packshard never mixes its files with others, and "
                     "--overwrite deletes only what a pack job wrote)"
                 )
-    except storage_errors_with(OSError, ValueError) as e:
+    except storage_errors_with(ValueError) as e:
         if isinstance(e, OutputError):
             raise
         raise OutputError(f"output {url} is not writable ({describe(e)})") from None
@@ -135,7 +135,7 @@ def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         with fs.open(probe, "wb") as f:
             f.write(b"packshard write probe\n")
         fs.rm(probe)
-    except storage_errors_with(OSError, ValueError) as e:
+    except storage_errors_with(ValueError) as e:
         raise OutputError(f"output {url} is not writable ({describe(e)})") from None
 
 

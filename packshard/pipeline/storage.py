@@ -3,18 +3,17 @@ check that an object store's explicit endpoint can be reached at all.
 
 fsspec filesystems do not translate every failure into `OSError`: s3fs lets botocore's
 `NoCredentialsError` / `EndpointConnectionError` through, gcsfs google-auth's errors, the http
-filesystem aiohttp's, and the Hugging Face hub client its HTTP library's. `storage_errors()`
-returns the base classes of those libraries that are already imported (one that is not imported
-cannot have raised, so the check costs no start-up time). `unreachable_endpoint` is one TCP
+filesystem aiohttp's, and the Hugging Face hub client its HTTP library's. `storage_errors()` is
+OSError and the base classes of those libraries that are already imported (one that is not
+imported cannot have raised, so the check costs no start-up time). `unreachable_endpoint` is one TCP
 connect to an explicit endpoint before any request. All of them live in
 `packshard.packers.format`, which the dataset reader shares.
 """
 
 from __future__ import annotations
 
-from packshard.packers.format import CONNECT_TIMEOUT_S, unreachable_endpoint
+from packshard.packers.format import CONNECT_TIMEOUT_S, storage_errors, unreachable_endpoint
 from packshard.packers.format import describe_error as describe
-from packshard.packers.format import library_errors as storage_errors
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -27,6 +26,6 @@ __all__ = [
 
 def storage_errors_with(*errors: type[BaseException]) -> tuple[type[BaseException], ...]:
     """`errors` and `storage_errors()`, for an ``except`` clause (``except
-    storage_errors_with(OSError) as e:``): evaluated when an exception is matched, so a storage
-    library first imported inside the ``try`` counts."""
+    storage_errors_with(ValueError) as e:``): evaluated when an exception is matched, so a
+    storage library first imported inside the ``try`` counts."""
     return (*errors, *storage_errors())
