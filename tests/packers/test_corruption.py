@@ -20,6 +20,7 @@ from packshard.packers import (
     pack_table,
 )
 from packshard.packers.ipc import footer_length, message_flatbuffer, parse_batch, read_footer
+from packshard.packers.shard_file import batches_from_bytes
 
 CONFIG = {"seq_len": 256, "cp": 2, "pad_multiple": 4, "pad_token_id": 0}
 
@@ -55,14 +56,27 @@ def test_rows_per_batch_disagreeing_with_the_shard(tmp_path):
         _read_all(url)
 
 
-def test_rows_per_batch_with_the_same_batch_count(tmp_path):
-    url, _ = _make(tmp_path / "ds", rows_per_batch=4)  # 10 rows: batches 4, 4, 2
-    _edit(url, lambda m: m["shards"][0].update(rows_per_batch=5))  # 2 batches of 5: wrong count
-    with pytest.raises(FormatError, match=r"part-00000\.arrow: holds 3 record batches"):
-        _read_all(url)
-    url, _ = _make(tmp_path / "ds2", rows_per_batch=3)  # 10 rows: 3, 3, 3, 1
-    _edit(url, lambda m: m["shards"][0].update(rows_per_batch=3) or m["shards"][0].pop("rows_per_batch"))  # fmt: skip
-    _read_all(url)  # not recorded: the batches' own lengths are used
+@pytest.mark.parametrize("reader", ["local", "remote rows", "remote whole", "whole file"])
+def test_rows_per_batch_with_the_same_batch_count(tmp_path, monkeypatch, reader):
+    """A rows_per_batch that gives the shard's batch count but other batch lengths: each reader
+    checks every batch's length before it locates a row in it."""
+    url, _ = _make(tmp_path / "ds", rows_per_batch=4)  # shards of 10, 10, 10 and 6 rows
+    m = json.loads((Path(url) / "manifest.json").read_text())
+    (last,) = [i for i, e in enumerate(m["shards"]) if e["rows"] == 6]  # batches 4, 2
+    _edit(url, lambda m: m["shards"][last].update(rows_per_batch=3))  # 3, 3: the same count
+    want = rf"part-0000{last}\.arrow: record batch 0 holds 4 rows; .*put 3 there"
+    monkeypatch.setattr(
+        "packshard.packers.shard_file.DENSE", 2.0 if reader == "remote whole" else 0.0
+    )
+    ds = _remote(url) if reader.startswith("remote") else ShardDataset.open(url)
+    entry = ds.shards[last]
+    with pytest.raises(FormatError, match=want):
+        if reader == "whole file":  # what `packshard verify` reads
+            batches_from_bytes(ds.shard_bytes(last), entry, f"{url}/{entry.path}")
+        else:
+            ds.read_rows_arrays(last, np.arange(entry.rows))
+    _edit(url, lambda m: m["shards"][last].pop("rows_per_batch"))  # not recorded: the batches'
+    _read_all(url)  # own lengths locate the rows
 
 
 def test_shifted_rows_counts(tmp_path):

@@ -152,7 +152,7 @@ def test_verify_dotdot_path(dataset, tmp_path, capsys):
     assert "'..'" in capsys.readouterr().err
 
 
-def test_verify_wrong_totals_and_duplicate_samples(dataset, tmp_path, capsys):
+def test_verify_wrong_samples_kept(dataset, tmp_path, capsys):
     url, _, _ = dataset
     mp = tmp_path / "ds" / "manifest.json"
     m = json.loads(mp.read_text())
@@ -160,6 +160,30 @@ def test_verify_wrong_totals_and_duplicate_samples(dataset, tmp_path, capsys):
     mp.write_text(json.dumps(m))
     assert main(["verify", url, "--quiet"]) == 1
     assert "samples_kept is 499" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "split"])
+def test_verify_a_sample_in_two_documents(tmp_path, capsys, overlong):
+    """Every sample written twice (consistent checksums and totals): a sample in two documents
+    is an error, except under overlong=split, whose pieces share their sample's id."""
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(1, 500, int(k)).astype(np.int32) for k in rng.integers(1, 700, 60)]
+    batch, _ = pack_table(
+        pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))}),
+        seq_len=1024, pad_multiple=8, pad_token_id=0,
+    )  # fmt: skip
+    url = str(tmp_path / "ds")
+    w = DatasetWriter(url, {**CONFIG, "overlong": overlong}, max_rows=40)
+    w.write(batch)
+    w.write(batch)
+    w.close({"samples_in": 60, "samples_kept": 60, "dropped": {}})
+    rc = main(["verify", url, "--quiet"])
+    err = capsys.readouterr().err
+    if overlong == "split":
+        assert rc == 0, err
+    else:
+        assert rc == 1
+        assert "60 sample ids appear in more than one document (e.g. [0, 1, 2, 3, 4])" in err
 
 
 def test_verify_row_invariant_breach_names_shard_and_row(tmp_path, capsys):

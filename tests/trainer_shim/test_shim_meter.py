@@ -3,6 +3,7 @@ FLOPs model."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from packshard.packers import CostModel
@@ -69,9 +70,41 @@ def test_meter_cost_model_and_errors():
         TrainedTokenMeter(peak_flops_per_gpu=1e15)
     with pytest.raises(ValueError, match="num_layers must be >= 0"):
         FlopsModel(1, -1, 1)
-    meter = TrainedTokenMeter(cost_model=CostModel(token_weight=1.0, attn_weight=0.0))
-    meter.update(mb(10, 12, [10], 9))
-    assert meter.step().imbalance == 1.0
+
+
+def _two_dp_ranks(meter: TrainedTokenMeter, other: TrainedTokenMeter) -> None:
+    """`meter.step()` gathers its own counts and `other`'s (DP rank 1) twice, as from two CP
+    ranks of one DP rank: each DP rank counts once."""
+
+    def gather() -> np.ndarray:
+        vectors = []
+        for m in (meter, other, other):
+            v = m._acc.copy()
+            v[0] = m.dp_rank
+            vectors.append(v)
+        return np.stack(vectors)
+
+    meter._gather = gather  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    "cost_model, cost",
+    [
+        (CostModel(token_weight=1.0, attn_weight=0.0), lambda n, attn: n),
+        (CostModel(token_weight=0.0, attn_weight=1.0), lambda n, attn: attn),
+        (None, lambda n, attn: n + attn / (12 * 4096)),  # the default
+    ],
+)
+def test_imbalance_is_max_over_mean_cost_of_the_dp_ranks(cost_model, cost):
+    kw = {} if cost_model is None else {"cost_model": cost_model}
+    meter, other = TrainedTokenMeter(dp_rank=0, **kw), TrainedTokenMeter(dp_rank=1, **kw)
+    _two_dp_ranks(meter, other)
+    meter.update(mb(1000, 1000, [1000], 9))  # cost: tokens 1000, attention 1000^2
+    other.update(mb(3000, 3000, [3000], 9))  # tokens 3000, attention 3000^2
+    costs = [cost(1000, 1000**2), cost(3000, 3000**2)]  # max / mean: 1.5, 1.8, 1.515
+    st = meter.step()
+    assert st.imbalance == pytest.approx(max(costs) / np.mean(costs))
+    assert st.num_tokens == 4000 and st.rows == 2  # DP rank 1 counted once
 
 
 def test_topology_helpers():
