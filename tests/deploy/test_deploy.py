@@ -13,7 +13,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-MANIFESTS = [*sorted(DEPLOY.glob("kuberay/*.yaml")), DEPLOY / "cluster-aws.yaml"]
+KUBERAY = sorted(DEPLOY.glob("kuberay/*.yaml"))
+MANIFESTS = [*KUBERAY, DEPLOY / "cluster-aws.yaml"]
 
 
 def _pyproject() -> dict:
@@ -38,7 +39,7 @@ def _image_tag() -> tuple[str, str]:
 
 
 def test_manifests_parse():
-    assert MANIFESTS, "no manifests found"
+    assert [p.name for p in KUBERAY] == ["raycluster.yaml", "rayjob-pack.yaml"]
     for path in MANIFESTS:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
         assert docs, f"{path} is empty"
@@ -54,7 +55,7 @@ def test_image_ray_and_python_match_pyproject():
 
 
 def test_kuberay_ray_version_matches():
-    for path in DEPLOY.glob("kuberay/*.yaml"):
+    for path in KUBERAY:
         for doc in yaml.safe_load_all(path.read_text()):
             spec = doc["spec"].get("rayClusterSpec", doc["spec"])
             assert spec["rayVersion"] == _pinned_ray(), path
@@ -62,7 +63,7 @@ def test_kuberay_ray_version_matches():
 
 def _entrypoints() -> list[tuple[Path, list[str]]]:
     found = []
-    for path in DEPLOY.glob("kuberay/*.yaml"):
+    for path in KUBERAY:
         for doc in yaml.safe_load_all(path.read_text()):
             if doc.get("kind") == "RayJob":
                 found.append((path, shlex.split(doc["spec"]["entrypoint"])))
@@ -123,7 +124,7 @@ def test_no_credentials_in_manifests():
 
 
 def test_shm_is_memory_backed():
-    for path in DEPLOY.glob("kuberay/*.yaml"):
+    for path in KUBERAY:
         for doc in yaml.safe_load_all(path.read_text()):
             spec = doc["spec"].get("rayClusterSpec", doc["spec"])
             groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]

@@ -40,7 +40,9 @@ def test_the_credentials_are_sent_but_never_shown(served, caplog) -> None:
     shown = [stats_json(ds), format_stats(stats), *verify_dataset(url)]
     stream = PackedShardStream(url, dp_rank=0, dp_size=1, rows_per_step=2)
     shown.append(stream.url)
-    with pytest.raises(ValueError) as wrong_len:
+    with pytest.raises(
+        ValueError, match=r"seq_len=\d+, the stream expects seq_len=2048"
+    ) as wrong_len:
         PackedShardStream(url, dp_rank=0, dp_size=1, rows_per_step=2, seq_len=2048)
     with pytest.raises(DatasetNotFoundError) as missing:
         ShardDataset.open(url + "-missing")

@@ -90,6 +90,7 @@ def test_the_first_bad_record_also_under_shuffle_and_when_it_is_the_last_block(
         (inputs / name).write_text(json.dumps(GOOD) + "\n")
     assert main(_args(inputs, tmp_path / "out", "--shuffle", "--num-workers", "2")) == 1
     assert f"{inputs / 'c.jsonl'}:line 12: empty_conversation" in capsys.readouterr().err
+    assert last_finished_first  # the blocks' results reached the driver out of order
 
 
 def test_skipping_counts_every_bad_record_and_the_manifest_names_the_nodes(

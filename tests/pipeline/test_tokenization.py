@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -319,6 +320,11 @@ def test_tokenizer_loading_fingerprint_and_pad():
     )
     assert tokenizer_fingerprint(tok).startswith("sha256:")
     assert pad_token_id_of(tok) == tok.pad_token_id
+    stand_in = SimpleNamespace(pad_token_id=None, eos_token_id=7)  # no pad token: EOS pads
+    assert pad_token_id_of(stand_in) == 7
+    stand_in.eos_token_id = None
+    with pytest.raises(TokenizerError, match="no pad or EOS token; pass --pad-token-id"):
+        pad_token_id_of(stand_in)
     with pytest.raises(
         TokenizerError, match="tokenizer directory '/nonexistent/tok' does not exist"
     ):
