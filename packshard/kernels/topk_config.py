@@ -9,9 +9,9 @@ not apply: `compact="scan"` (the prefix sum: the CPU interpreter and rows that a
 16-aligned) and `order="torch"` (the stable torch sort: the interpreter and staging rows
 outside 32-2048). Every config gives the same indices.
 
-H200, S = 64K, H = 64, causal, topk 2048: the select takes 6.1 ms and the radix order 0.43 ms
+H200, S = 64K, H = 64, causal, topk 2048: the select takes 5.9 ms and the radix order 0.43 ms
 for 16K rows of 2048 (docs/KERNELS.md has the table; docs/kernels-history.md the configs that
-lost: a CTA-wide select, 16.3 ms; one launch, 10.3 ms; a float threshold test, unmasked
+lost: a CTA-wide select, 15.9 ms; one launch, 10.2 ms; a float threshold test, unmasked
 interior blocks, a bitonic order).
 """
 
