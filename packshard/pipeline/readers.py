@@ -33,6 +33,27 @@ from packshard.pipeline.samples import BadRecord
 
 STRIDE = 1024
 TEXT_FORMATS = ("jsonl", "txt")
+# What compressed data starts with; a file named as uncompressed text that starts so is
+# refused before Ray starts: read as text, it would be a few "bad lines" instead of its records.
+COMPRESSED_MAGIC = (
+    (b"\x1f\x8b", "gzip", ".gz"),
+    (b"\x28\xb5\x2f\xfd", "zstd", ".zst"),
+    (b"\xfd7zXZ\x00", "xz", None),
+    (b"BZh", "bzip2", None),  # then a digit and b"1AY&SY" (checked below)
+)
+
+
+def compressed_as(head: bytes) -> tuple[str, str | None] | None:
+    """(compression, the extension packshard reads it by, or None) when `head` (a file's first
+    bytes) starts like compressed data."""
+    for magic, name, ext in COMPRESSED_MAGIC:
+        if head.startswith(magic):
+            if name == "bzip2" and not (head[3:4].isdigit() and head[4:10] == b"1AY&SY"):
+                continue
+            return name, ext
+    return None
+
+
 Record = tuple[str, Any]  # (location, decoded record or BadRecord)
 
 
@@ -130,7 +151,7 @@ def _json_records(f: InputFile, storage_options: Mapping[str, Any] | None) -> li
     with _open(f, storage_options) as fh:
         data = fh.read()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is not data
     except UnicodeDecodeError as e:
         raise InputError(f"{f.display}: not valid UTF-8 at byte {e.start}") from None
     try:
@@ -170,6 +191,8 @@ class Peek:
 def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek:
     """Columns / first record of `f`, reading a footer or the first lines (InputError if unreadable)."""
     with _unreadable(f):
+        if f.format in TEXT_FORMATS or f.format == "json":
+            _check_not_compressed(f, storage_options)
         if f.format in TEXT_FORMATS:
             with _open(f, storage_options, PEEK_BLOCK) as fh:
                 for line_no, line in enumerate(fh, start=1):
@@ -196,6 +219,25 @@ def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek
                     return Peek(tuple(reader.schema.names), records=0 if empty else None)
                 return Peek(tuple(pa.ipc.open_stream(fh).schema.names))
     return Peek()
+
+
+def _check_not_compressed(f: InputFile, storage_options: Mapping[str, Any] | None) -> None:
+    """InputError when `f`'s name says uncompressed text but its bytes are compressed."""
+    if f.compression is not None:
+        return
+    with _open(f, storage_options, PEEK_BLOCK) as fh:
+        found = compressed_as(fh.read(10))
+    if found is None:
+        return
+    name, ext = found
+    fix = (
+        f"name it with {ext} at the end (e.g. x.{f.format}{ext})"
+        if ext
+        else f"decompress it (packshard reads {f.format} plain, .gz or .zst)"
+    )
+    raise InputError(
+        f"{f.display}: holds {name}-compressed data, but its name says plain {f.format}: {fix}"
+    )
 
 
 # ---- reading ---------------------------------------------------------------------------
@@ -261,12 +303,13 @@ def _decode_line(line: bytes, fmt: str) -> Any:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
         return BadRecord("invalid_utf8", f"not valid UTF-8 at byte {e.start} of the line")
+    text = text.removeprefix("\ufeff")  # a byte-order mark (a file's first line), as utf-8-sig
     if fmt == "txt":
         return {"text": text.rstrip("\r\n")}
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
-        return BadRecord("malformed_json", f"{e.msg} at column {e.colno}")
+    except json.JSONDecodeError as e:  # e.msg may end in "at" ("Unterminated string starting at")
+        return BadRecord("malformed_json", f"{e.msg.removesuffix(' at')} at column {e.colno}")
 
 
 TABLE_FORMATS = ("parquet", "arrow", "arrow_stream")

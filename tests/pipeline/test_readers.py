@@ -132,6 +132,27 @@ def test_undecodable_lines_become_bad_records_with_their_line(tmp_path: Path):
     )
 
 
+def test_a_byte_order_mark_is_not_data(tmp_path: Path):
+    """A UTF-8 BOM before a file's first record (as some editors write) is skipped, as
+    utf-8-sig, pandas and Hugging Face datasets skip it; it is not a malformed record."""
+    recs = [{"text": "a"}, {"text": "b"}]
+    body = "\n".join(json.dumps(r) for r in recs).encode()
+    for name, data in [("bom.jsonl", body), ("bom.json", json.dumps(recs).encode())]:
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + data)
+        (f,) = [count_records(x) for x in resolve_inputs([str(tmp_path / name)])]
+        assert [r for _, r in read_records(f, 0, f.records)] == recs, name
+
+
+def test_json_errors_read_as_one_sentence(tmp_path: Path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"text": 1,}\n{"text": "unterminated')
+    (f,) = [count_records(x) for x in resolve_inputs([str(p)])]
+    got = [r for _, r in read_records(f, 0, f.records)]
+    assert [b.reason for b in got] == ["malformed_json", "malformed_json"]
+    assert got[0].detail.endswith(" at column 12")  # the message's wording varies by Python
+    assert got[1].detail == "Unterminated string starting at column 10"  # not "at at column"
+
+
 def test_hf_save_to_disk_directories(tmp_path: Path):
     import datasets
 
