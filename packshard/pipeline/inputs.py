@@ -23,6 +23,7 @@ URL reads as one file, and only ``*`` or ``[`` before its ``?`` make a glob.
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -46,6 +47,9 @@ _EXTENSIONS = {
     ".txt": "txt",
 }
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+IGNORED_SHOWN = 5  # ignored files a warning names
+
+log = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
@@ -181,6 +185,11 @@ def _resolve_one(
     try:
         if _is_glob(fs, path):
             paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
+            _warn_ignored(
+                spec,
+                [(p, "not a type packshard reads") for p in paths if not _format_of(p)],
+                len(paths),
+            )
             return [_file(fs, p, spec) for p in paths if _format_of(p)]
         if fs.isdir(path):
             return _directory(fs, path, spec, split)
@@ -236,12 +245,34 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         if not names:
             raise InputError(f"input {spec!r}: state.json lists no data files")
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
-    paths = sorted(
-        p
-        for p in fs.find(path)
-        if _format_of(p) and not posixpath.basename(p).startswith((".", "_"))
-    )
-    return [_file(fs, p, spec) for p in paths]
+    found = sorted(fs.find(path))
+    ignored = [
+        (
+            p,
+            "hidden"
+            if posixpath.basename(p).startswith((".", "_"))
+            else "not a type packshard reads",
+        )
+        for p in found
+        if not _format_of(p) or posixpath.basename(p).startswith((".", "_"))
+    ]
+    _warn_ignored(spec, [(posixpath.relpath(p, path), why) for p, why in ignored], len(found))
+    skip = {p for p, _ in ignored}
+    return [_file(fs, p, spec) for p in found if p not in skip]
+
+
+def _warn_ignored(spec: str, ignored: list[tuple[str, str]], total: int) -> None:
+    """A warning naming the files of a directory or glob that the job does not read (a
+    compressed type it cannot read, a .csv, a hidden file): nothing is left out unsaid."""
+    if not ignored:
+        return
+    shown = ", ".join(f"{p} ({why})" for p, why in ignored[:IGNORED_SHOWN])
+    more = f" and {len(ignored) - IGNORED_SHOWN} more" if len(ignored) > IGNORED_SHOWN else ""
+    log.warning(
+        "input %s: ignored %d of its %d files: %s%s (packshard reads .jsonl/.ndjson (+.gz/.zst), "
+        ".json, .parquet, .arrow/.feather/.ipc and .txt; names starting with '.' or '_' are skipped)",
+        redact_url(spec), len(ignored), total, shown, more,
+    )  # fmt: skip
 
 
 def _looks_like_hub_name(spec: str) -> bool:

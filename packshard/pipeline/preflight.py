@@ -5,13 +5,17 @@ URL, file or flag and the fix, before Ray is imported or started and before tran
 imported (together 3-14 s on a 2-core machine). The checks cost what they read:
 
 - output: its filesystem opens; a non-empty OUT that is no packshard dataset (or unfinished
-  job) is refused; a probe file is written and deleted (`jobstate.check_output`);
+  job) is refused; a probe file is written and deleted (`jobstate.check_output`); an OUT inside
+  an input directory is refused (a rerun would read the dataset as input);
 - inputs: every spec lists at least one readable file (`inputs.resolve_specs`); every file
   of each spec is peeked, PEEK_THREADS at a time (`readers.peek`: a parquet/Arrow footer, or
   the first line of JSON lines), which catches an empty input and a file whose columns the
   column mapping does not match (the error names the file and the columns it has), wherever
-  it sits in a glob. Without ``--skip-bad-records`` a file whose first record has no sample
-  fields fails too; other bad records are the job's to report, in input order;
+  it sits in a glob. A text file whose bytes are compressed (gzip, zstd, xz, bzip2) but whose
+  name says plain fails, whatever ``--skip-bad-records`` says. Without ``--skip-bad-records``
+  a file whose first record has no sample fields fails too; other bad records are the job's to
+  report, in input order. A file listed twice is packed twice, with a warning, and a directory
+  or glob's files of other types are named in a warning;
 - tokenizer: `tokenizer_loading.locate_tokenizer` (a directory that does not exist, a hub name
   that is offline and not cached, a hub that cannot be reached), without loading it.
 
@@ -22,11 +26,15 @@ botocore's own retries).
 
 from __future__ import annotations
 
+import logging
+import posixpath
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from packshard.packers import url_to_fs
+from packshard.packers.urls import DEMO_SCHEME, redact_url
 from packshard.pipeline.inputs import InputError, InputFile, resolve_specs
 from packshard.pipeline.jobstate import OutputError, check_output
 from packshard.pipeline.readers import Peek, peek
@@ -37,6 +45,8 @@ if TYPE_CHECKING:
     from packshard.pipeline.config import PackConfig
 
 PEEK_THREADS = 16  # files of one input spec peeked at once
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,16 +73,47 @@ def open_output(cfg: PackConfig) -> tuple[Any, str]:
         fs, root = url_to_fs(cfg.output, cfg.storage_options)
     except (ImportError, ValueError) as e:
         raise OutputError(f"output {cfg.output}: {e}") from None
+    _check_output_outside_inputs(cfg, fs, root)  # before check_output creates OUT
     check_output(fs, root, cfg.output)
     return fs, root
 
 
+def _check_output_outside_inputs(cfg: PackConfig, fs: Any, root: str) -> None:
+    """OutputError when OUT lies inside an input directory: the next run (a rerun, a resume)
+    would list the dataset's own files as input."""
+    out = posixpath.normpath(root)
+    for spec in cfg.inputs:
+        if spec.startswith(DEMO_SCHEME):
+            continue
+        try:
+            in_fs, path = url_to_fs(spec, cfg.storage_options)
+        except (ImportError, ValueError):
+            continue  # the input check names it
+        if in_fs.protocol != fs.protocol:
+            continue
+        base = posixpath.normpath(path)
+        if out == base or out.startswith(base.rstrip("/") + "/"):
+            raise OutputError(
+                f"output {cfg.output} lies inside input {spec!r}: a rerun would read the "
+                "dataset's own files as input; write it outside the input directory"
+            )
+
+
 def check_inputs(cfg: PackConfig) -> list[InputFile]:
-    """Every input file, in order, after the per-spec checks of the module docstring."""
+    """Every input file, in order, after the per-spec checks of the module docstring. A file
+    listed more than once (the same path given twice, overlapping globs) is packed as often
+    as it is listed, with a warning."""
     per_spec = resolve_specs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
     for spec, files in zip(cfg.inputs, per_spec, strict=True):
         _check_spec(cfg, spec, files)
-    return [f for files in per_spec for f in files]
+    files = [f for found in per_spec for f in found]
+    for url, n in Counter(f.url for f in files).items():
+        if n > 1:
+            log.warning(
+                "input file %s is listed %d times by --input: its records are packed %d times",
+                redact_url(url), n, n,
+            )  # fmt: skip
+    return files
 
 
 def _check_spec(cfg: PackConfig, spec: str, files: list[InputFile]) -> None:

@@ -4,6 +4,7 @@ job's `main` in a fresh process and lists what it imported)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import socket
@@ -117,6 +118,74 @@ def test_unusable_inputs(tmp_path: Path, name: str, data: bytes | None, match: s
         path.write_bytes(data)
     rc, err = pack(*args(path, tmp_path / "out"))
     assert rc == 1 and match in err and str(path) in err
+
+
+@pytest.mark.parametrize(
+    ("compress", "found", "fix"),
+    [
+        (lambda b: gzip.compress(b), "gzip", "name it with .gz at the end"),
+        (lambda b: b"\xfd7zXZ\x00" + b"\x00" * 20, "xz", "decompress it"),
+        (lambda b: b"BZh91AY&SY" + b"\x00" * 20, "bzip2", "decompress it"),
+    ],
+)
+@pytest.mark.parametrize("skip", [False, True])
+def test_compressed_data_in_a_plain_name(
+    tmp_path: Path, compress, found: str, fix: str, skip: bool
+):
+    """Read as text, a compressed file is a few bad lines instead of its records (silently
+    dropped under --skip-bad-records): refused before Ray, whatever --skip-bad-records says."""
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(compress((json.dumps(CHAT) + "\n").encode() * 50))
+    extra = ("--skip-bad-records",) if skip else ()
+    rc, err = pack(*args(path, tmp_path / "out", *extra))
+    assert (
+        rc == 1 and f"{path}: holds {found}-compressed data, but its name says plain jsonl" in err
+    )
+    assert fix in err
+
+
+def test_output_inside_an_input_directory(tmp_path: Path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text(json.dumps(CHAT) + "\n")
+    for out in (tmp_path / "in" / "packed", tmp_path / "in"):  # below it, or the directory
+        rc, err = pack(*args(tmp_path / "in", out))
+        assert rc == 1 and f"output {out} lies inside input '{tmp_path / 'in'}'" in err
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["a.jsonl"]  # nothing created
+
+
+def test_what_a_directory_or_glob_leaves_out_and_twice_listed_files_are_named(
+    tmp_path: Path, caplog
+):
+    d = tmp_path / "in"
+    (d / "sub").mkdir(parents=True)
+    for name in (
+        "a.jsonl",
+        "B.JSONL",
+        "sub/e.json",
+        "c.jsonl.bz2",
+        "d.csv",
+        ".hidden.jsonl",
+        "_x.jsonl",
+    ):
+        (d / name).write_text(json.dumps([CHAT] if name.endswith(".json") else CHAT) + "\n")
+    caplog.set_level("WARNING")
+    cfg = config_from_args(args(d, tmp_path / "out", "--input", str(d / "a.jsonl")))
+    checked = preflight(cfg)
+    assert [Path(f.url).name for f in checked.files] == ["B.JSONL", "a.jsonl", "e.json", "a.jsonl"]
+    text = caplog.text
+    assert f"input {d}: ignored 4 of its 7 files: " in text
+    for name, why in [
+        ("_x.jsonl", "hidden"),
+        (".hidden.jsonl", "hidden"),
+        ("c.jsonl.bz2", "not a type"),
+        ("d.csv", "not a type"),
+    ]:
+        assert f"{name} ({why}" in text
+    assert f"input file {d / 'a.jsonl'} is listed 2 times by --input" in text
+    caplog.clear()
+    preflight(config_from_args(args(str(d / "*"), tmp_path / "out")))  # a glob: files only
+    assert "ignored 3 of its 5 files: .hidden.jsonl (not a type" not in caplog.text
+    assert "ignored" in caplog.text and "d.csv (not a type packshard reads)" in caplog.text
 
 
 def test_parquet_without_sample_columns_names_the_columns_it_has(tmp_path: Path):
