@@ -186,10 +186,16 @@ class InputCounter:
         return self.files
 
     def cancel(self) -> None:
-        for ref in self.pending:
-            ray.cancel(ref, force=True)
-        for ref in self.warming:  # importing modules: interrupted, the worker process is kept
-            ray.cancel(ref)
+        """Stop counting (the job ended early). Only counts still running are cancelled, and
+        warm-ups never: Ray 2.60's driver aborts ("Check failed: it !=
+        submissible_tasks_.end() Tried to complete task that was not pending") when a cancel
+        races with the task's completion, as a warm-up's (~0.1 s, early in every job) can at
+        the end of a job that fails within its first second. A warm-up left alone finishes on
+        its own; a count that finishes between the check and the cancel is still exposed."""
+        if self.pending:
+            _, running = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+            for ref in running:
+                ray.cancel(ref, force=True)
         self.pending.clear()
         self.todo.clear()
         self.warming.clear()
