@@ -185,12 +185,7 @@ def _resolve_one(
     try:
         if _is_glob(fs, path):
             paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
-            _warn_ignored(
-                spec,
-                [(p, "not a type packshard reads") for p in paths if not _format_of(p)],
-                len(paths),
-            )
-            return [_file(fs, p, spec) for p in paths if _format_of(p)]
+            return _read_and_warn(fs, spec, paths, {p: p for p in paths}, skip_hidden=False)
         if fs.isdir(path):
             return _directory(fs, path, spec, split)
         if fs.isfile(path):
@@ -246,33 +241,38 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
             raise InputError(f"input {spec!r}: state.json lists no data files")
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
     found = sorted(fs.find(path))
-    ignored = [
-        (
-            p,
-            "hidden"
-            if posixpath.basename(p).startswith((".", "_"))
-            else "not a type packshard reads",
-        )
-        for p in found
-        if not _format_of(p) or posixpath.basename(p).startswith((".", "_"))
-    ]
-    _warn_ignored(spec, [(posixpath.relpath(p, path), why) for p, why in ignored], len(found))
-    skip = {p for p, _ in ignored}
-    return [_file(fs, p, spec) for p in found if p not in skip]
+    shown = {p: posixpath.relpath(p, path) for p in found}
+    return _read_and_warn(fs, spec, found, shown, skip_hidden=True)
 
 
-def _warn_ignored(spec: str, ignored: list[tuple[str, str]], total: int) -> None:
-    """A warning naming the files of a directory or glob that the job does not read (a
-    compressed type it cannot read, a .csv, a hidden file): nothing is left out unsaid."""
-    if not ignored:
-        return
-    shown = ", ".join(f"{p} ({why})" for p, why in ignored[:IGNORED_SHOWN])
-    more = f" and {len(ignored) - IGNORED_SHOWN} more" if len(ignored) > IGNORED_SHOWN else ""
-    log.warning(
-        "input %s: ignored %d of its %d files: %s%s (packshard reads .jsonl/.ndjson (+.gz/.zst), "
-        ".json, .parquet, .arrow/.feather/.ipc and .txt; names starting with '.' or '_' are skipped)",
-        redact_url(spec), len(ignored), total, shown, more,
-    )  # fmt: skip
+def _read_and_warn(
+    fs: fsspec.AbstractFileSystem,
+    spec: str,
+    paths: list[str],
+    shown: Mapping[str, str],
+    *,
+    skip_hidden: bool,
+) -> list[InputFile]:
+    """The `paths` of a directory or glob that the job reads, in order. The others (a type it
+    cannot read, such as .csv or .bz2; in a directory, names starting with "." or "_") are
+    named in one warning, by their `shown` names: nothing is left out unsaid."""
+    read, ignored = [], []
+    for p in paths:
+        if skip_hidden and posixpath.basename(p).startswith((".", "_")):
+            ignored.append(f"{shown[p]} (hidden)")
+        elif not _format_of(p):
+            ignored.append(f"{shown[p]} (not a type packshard reads)")
+        else:
+            read.append(_file(fs, p, spec))
+    if ignored:
+        more = len(ignored) - IGNORED_SHOWN
+        log.warning(
+            "input %s: ignored %d of its %d files: %s%s (packshard reads .jsonl/.ndjson "
+            "(+.gz/.zst), .json, .parquet, .arrow/.feather/.ipc and .txt)",
+            redact_url(spec), len(ignored), len(paths), ", ".join(ignored[:IGNORED_SHOWN]),
+            f" and {more} more" if more > 0 else "",
+        )  # fmt: skip
+    return read
 
 
 def _looks_like_hub_name(spec: str) -> bool:
