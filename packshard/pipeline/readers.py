@@ -41,6 +41,7 @@ COMPRESSED_MAGIC = (
     (b"\xfd7zXZ\x00", "xz", None),
     (b"BZh", "bzip2", None),  # then a digit and b"1AY&SY" (checked below)
 )
+MAGIC_BYTES = 10  # the longest: bzip2's "BZh" + digit + "1AY&SY"
 
 
 def compressed_as(head: bytes) -> tuple[str, str | None] | None:
@@ -48,7 +49,7 @@ def compressed_as(head: bytes) -> tuple[str, str | None] | None:
     bytes) starts like compressed data."""
     for magic, name, ext in COMPRESSED_MAGIC:
         if head.startswith(magic):
-            if name == "bzip2" and not (head[3:4].isdigit() and head[4:10] == b"1AY&SY"):
+            if name == "bzip2" and not (head[3:4].isdigit() and head[4:MAGIC_BYTES] == b"1AY&SY"):
                 continue
             return name, ext
     return None
@@ -191,17 +192,19 @@ class Peek:
 def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek:
     """Columns / first record of `f`, reading a footer or the first lines (InputError if unreadable)."""
     with _unreadable(f):
-        if f.format in TEXT_FORMATS or f.format == "json":
-            _check_not_compressed(f, storage_options)
         if f.format in TEXT_FORMATS:
             with _open(f, storage_options, PEEK_BLOCK) as fh:
                 for line_no, line in enumerate(fh, start=1):
+                    if line_no == 1:  # the file's first bytes: no magic number holds a newline
+                        _refuse_compressed(f, line)
                     if line.strip():
                         return Peek(
                             first=(f"{f.display}:line {line_no}", _decode_line(line, f.format))
                         )
             return Peek(records=0)
         if f.format == "json":
+            with _open(f, storage_options, PEEK_BLOCK) as fh:
+                _refuse_compressed(f, fh.read(MAGIC_BYTES))
             if f.size > PEEK_JSON_MAX:
                 return Peek()
             recs = _json_records(f, storage_options)
@@ -221,12 +224,12 @@ def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek
     return Peek()
 
 
-def _check_not_compressed(f: InputFile, storage_options: Mapping[str, Any] | None) -> None:
-    """InputError when `f`'s name says uncompressed text but its bytes are compressed."""
+def _refuse_compressed(f: InputFile, head: bytes) -> None:
+    """InputError when `f`'s name says uncompressed text but its first bytes `head` (at least
+    MAGIC_BYTES, or up to a newline) are compressed data."""
     if f.compression is not None:
         return
-    with _open(f, storage_options, PEEK_BLOCK) as fh:
-        found = compressed_as(fh.read(10))
+    found = compressed_as(head)
     if found is None:
         return
     name, ext = found

@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from packshard.pipeline.config import config_from_args
 from packshard.pipeline.inputs import InputError
@@ -121,25 +122,32 @@ def test_unusable_inputs(tmp_path: Path, name: str, data: bytes | None, match: s
 
 
 @pytest.mark.parametrize(
-    ("compress", "found", "fix"),
+    ("name", "compress", "found", "fix"),
     [
-        (lambda b: gzip.compress(b), "gzip", "name it with .gz at the end"),
-        (lambda b: b"\xfd7zXZ\x00" + b"\x00" * 20, "xz", "decompress it"),
-        (lambda b: b"BZh91AY&SY" + b"\x00" * 20, "bzip2", "decompress it"),
+        ("chats.jsonl", gzip.compress, "gzip", "name it with .gz at the end (e.g. x.jsonl.gz)"),
+        (
+            "chats.json",
+            lambda b: zstandard.ZstdCompressor().compress(b),
+            "zstd",
+            "(e.g. x.json.zst)",
+        ),
+        ("chats.jsonl", lambda b: b"\xfd7zXZ\x00" + b"\x00" * 20, "xz", "decompress it"),
+        ("lines.txt", lambda b: b"BZh91AY&SY" + b"\x00" * 20, "bzip2", "decompress it"),
     ],
 )
 @pytest.mark.parametrize("skip", [False, True])
 def test_compressed_data_in_a_plain_name(
-    tmp_path: Path, compress, found: str, fix: str, skip: bool
+    tmp_path: Path, name: str, compress, found: str, fix: str, skip: bool
 ):
     """Read as text, a compressed file is a few bad lines instead of its records (silently
     dropped under --skip-bad-records): refused before Ray, whatever --skip-bad-records says."""
-    path = tmp_path / "chats.jsonl"
+    path = tmp_path / name
     path.write_bytes(compress((json.dumps(CHAT) + "\n").encode() * 50))
     extra = ("--skip-bad-records",) if skip else ()
     rc, err = pack(*args(path, tmp_path / "out", *extra))
+    plain = name.rsplit(".", 1)[1]
     assert (
-        rc == 1 and f"{path}: holds {found}-compressed data, but its name says plain jsonl" in err
+        rc == 1 and f"{path}: holds {found}-compressed data, but its name says plain {plain}" in err
     )
     assert fix in err
 
