@@ -166,7 +166,8 @@ class InputCounter:
         self.max_in_flight = max(1, max_in_flight)
         self.todo = [i for i, f in enumerate(files) if f.records < 0]
         self.pending: dict[Any, int] = {}
-        self.warming = [warm_remote.remote() for _ in range(warm_workers)]
+        for _ in range(warm_workers):  # runs whatever becomes of its ref; never cancelled
+            warm_remote.remote()
         self._submit()
 
     def _submit(self) -> None:
@@ -198,7 +199,6 @@ class InputCounter:
                 ray.cancel(ref, force=True)
         self.pending.clear()
         self.todo.clear()
-        self.warming.clear()
 
 
 def check_kept(

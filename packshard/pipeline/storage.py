@@ -5,9 +5,10 @@ fsspec filesystems do not translate every failure into `OSError`: s3fs lets boto
 `NoCredentialsError` / `EndpointConnectionError` through, gcsfs google-auth's errors, the http
 filesystem aiohttp's, and the Hugging Face hub client its HTTP library's. `storage_errors()` is
 OSError and the base classes of those libraries that are already imported (one that is not
-imported cannot have raised, so the check costs no start-up time). `unreachable_endpoint` is one TCP
-connect to an explicit endpoint before any request. All of them live in
-`packshard.packers.format`, which the dataset reader shares.
+imported cannot have raised, so the check costs no start-up time). `unreachable_endpoint` is
+one TCP connect to an explicit endpoint before any request. Both live in
+`packshard.packers.format`, which the dataset reader shares; `storage_errors_with` adds the
+other errors an ``except`` clause takes.
 """
 
 from __future__ import annotations
