@@ -173,9 +173,10 @@ def format_summary(
     ]
     policy = cfg["overlong"]
     if policy == "truncate":
-        lines.append(
-            f"  overlong  truncate: {t['truncated_samples']:,} samples cut, {t['truncated_tokens']:,} tokens lost"
-        )
+        line = f"  overlong  truncate: {t['truncated_samples']:,} samples cut, {t['truncated_tokens']:,} tokens lost"
+        if n_emptied := t["dropped"].get("no_loss_after_truncate", 0):
+            line += f"; {n_emptied:,} more dropped, their loss tokens all past seq_len"
+        lines.append(line)
     elif policy == "split":
         lines.append(
             f"  overlong  split: {t['split_samples']:,} samples into {t['extra_pieces']:,} extra pieces"

@@ -63,7 +63,11 @@ REASONS: tuple[str, ...] = (
     "template_not_prefix_stable",
     "no_loss_tokens",
     "token_out_of_range",
+    "no_loss_after_truncate",
 )
+# Reasons the user's --overlong policy decides, not bad input: counted and listed like bad
+# records, but they never fail a job run without --skip-bad-records.
+POLICY_DROPS: frozenset[str] = frozenset({"no_loss_after_truncate"})
 
 
 class BadRecord(ValueError):

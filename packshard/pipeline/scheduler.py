@@ -46,6 +46,7 @@ import ray
 from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
+from packshard.pipeline.samples import POLICY_DROPS
 from packshard.pipeline.tasks import (
     BlockData,
     BlockMeta,
@@ -364,8 +365,9 @@ class Scheduler:
     def _on_meta(self, b: int, meta: BlockMeta, data_ref: Any) -> None:
         blk = self.blocks[b]
         self._ran(meta.node, "tokenize")
-        if meta.examples and not self.spec.skip_bad_records:
-            sid, location, reason, detail = meta.examples[0]
+        bad = [e for e in meta.examples if e[2] not in POLICY_DROPS]
+        if bad and not self.spec.skip_bad_records:
+            sid, location, reason, detail = bad[0]
             self._fail_at(
                 sid,
                 f"{location}: {reason}: {detail}\n(pass --skip-bad-records to skip such records "

@@ -96,17 +96,18 @@ def _num(x: int | float) -> str:
 def skipped_lines(
     examples: Sequence[Sequence[Any]], dropped: Mapping[str, int], label: str = "skipped      "
 ) -> list[str]:
-    """The first skipped records as ``file:line: reason: detail`` lines (stats; the job's
-    summary passes its own `label` column)."""
+    """The first skipped records (bad ones, and those `--overlong truncate` left without a loss
+    token) as ``file:line: reason: detail`` lines (stats; the job's summary passes its own
+    `label` column)."""
     shown = [e for e in examples if len(e) >= 4][:SHOWN_EXAMPLES]
     if not shown:
         return []
-    bad = sum(n for reason, n in dropped.items() if reason != "overlong")
+    listed = sum(n for reason, n in dropped.items() if reason != "overlong")
     lines = [
-        f"{label}the first {len(shown)} of {bad:,} bad records"
+        f"{label}the first {len(shown)} of {listed:,} skipped records"
         + (
             f" (manifest.json's skipped_examples lists up to {MAX_EXAMPLES})"
-            if bad > len(shown)
+            if listed > len(shown)
             else ""
         )
         + ":"

@@ -54,7 +54,15 @@ from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.jobstate import marker_path
 from packshard.pipeline.planning import ShardPlan, plan_shard_rows, window_sizes_for
 from packshard.pipeline.readers import TABLE_FORMATS, read_records, read_tables
-from packshard.pipeline.samples import REASONS, BadRecord, Kind, Tokens, source_fields, to_sample
+from packshard.pipeline.samples import (
+    POLICY_DROPS,
+    REASONS,
+    BadRecord,
+    Kind,
+    Tokens,
+    source_fields,
+    to_sample,
+)
 from packshard.pipeline.tokenization import Encoded, SampleEncoder, TokenizerPayload
 
 log = logging.getLogger(__name__)
@@ -275,7 +283,7 @@ def tokenize_block(
     clean = columnar_block(
         spec, file, start, stop, encoder.vocab_size if encoder is not None else None
     )
-    if clean is not None:
+    if clean is not None and not _loss_truncated(spec, clean[0], clean[2]).any():
         lengths, tokens, mask = clean
         return _block(first_id, lengths, np.zeros(lengths.size, np.int8), tokens, mask, [], t0)
     has_template = bool(encoder and encoder.has_chat_template)
@@ -308,18 +316,46 @@ def tokenize_block(
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     examples: list[tuple[int, str, str, str]] = []
+    policy_examples: list[tuple[int, str, str, str]] = []
     for i, enc in enumerate(encoded):
+        if (
+            not isinstance(enc, BadRecord)
+            and spec.overlong == "truncate"
+            and enc.ids.size > spec.seq_len
+            and not enc.mask[: spec.seq_len].any()
+        ):
+            enc = BadRecord(
+                "no_loss_after_truncate",
+                f"--overlong truncate keeps its first {spec.seq_len:,} of {enc.ids.size:,} "
+                f"tokens, and its first loss token is at {int(np.argmax(enc.mask)):,}",
+            )
         if isinstance(enc, BadRecord):
             status[i] = REASONS.index(enc.reason) + 1
-            if len(examples) < MAX_EXAMPLES:
-                examples.append((first_id + i, locations[i], enc.reason, enc.detail))
+            # bad records are listed first: the scheduler fails a job on the first of them
+            listed = policy_examples if enc.reason in POLICY_DROPS else examples
+            if len(listed) < MAX_EXAMPLES:
+                listed.append((first_id + i, locations[i], enc.reason, enc.detail))
         else:
             lengths[i] = enc.ids.size
             ids.append(enc.ids)
             masks.append(enc.mask)
     tokens = np.concatenate(ids) if ids else np.zeros(0, np.int32)
     mask = np.concatenate(masks) if masks else np.zeros(0, np.bool_)
-    return _block(first_id, lengths, status, tokens, mask, examples, t0)
+    return _block(first_id, lengths, status, tokens, mask, examples + policy_examples, t0)
+
+
+def _loss_truncated(spec: WorkSpec, lengths: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Which of these samples `--overlong truncate` would keep without a single loss token.
+    Rows would carry them for nothing, so tokenize_block drops them (`no_loss_after_truncate`,
+    counted and listed, never failing the job: the policy chose it)."""
+    out = np.zeros(lengths.size, np.bool_)
+    if spec.overlong != "truncate":
+        return out
+    starts = np.cumsum(lengths) - lengths
+    for i in np.flatnonzero(lengths > spec.seq_len).tolist():
+        s = int(starts[i])
+        out[i] = not mask[s : s + spec.seq_len].any()
+    return out
 
 
 def _block(

@@ -80,7 +80,7 @@ def test_summary_lists_skipped_records_with_file_and_line(dropped: int):
         return
     lines = text.splitlines()
     start = lines.index(
-        "  skipped   the first 5 of 7 bad records (manifest.json's skipped_examples lists up to 20):"
+        "  skipped   the first 5 of 7 skipped records (manifest.json's skipped_examples lists up to 20):"
     )
     assert lines[start + 1 : start + 3] == [
         "    data.jsonl:line 1: malformed_json: Expecting value",

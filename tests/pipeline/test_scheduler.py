@@ -108,3 +108,25 @@ def test_skipping_counts_every_bad_record_and_the_manifest_names_the_nodes(
     (node,) = m["job"]["nodes"]  # one local node ran everything
     assert node["node_id"] == ray.get_runtime_context().get_node_id()
     assert node["tasks"]["tokenize"] >= 3 and node["tasks"]["pack"] == len(m["shards"])
+
+
+def test_truncation_that_leaves_no_loss_token_is_counted_not_fatal(
+    ray_local, tmp_path: Path, capsys
+):
+    inp = tmp_path / "ids.jsonl"
+    rows = [
+        {"input_ids": list(range(1, 25)), "loss_mask": [0] * 16 + [1] * 8},  # loss past 16
+        {"input_ids": list(range(1, 25)), "loss_mask": [0] * 15 + [1] * 9},
+        {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+    ]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = _args(inp, out, "--num-workers", "1")
+    args[args.index("--seq-len") + 1] = "16"
+    assert main(args) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    t = m["totals"]
+    assert t["dropped"] == {"no_loss_after_truncate": 1} and t["samples_kept"] == 2
+    assert (t["truncated_samples"], t["truncated_tokens"], t["loss_tokens"]) == (1, 8, 3)
+    assert [e[1].rsplit("/", 1)[1] for e in m["skipped_examples"]] == ["ids.jsonl:line 1"]
+    assert "1 more dropped, their loss tokens all past seq_len" in capsys.readouterr().out

@@ -233,3 +233,37 @@ def test_a_table_with_chats_in_auto_is_read_per_record(tmp_path: Path):
     (fp, (mp, _)), _ = _both_paths(tmp_path, records, spec)
     assert tasks.columnar_block(spec, fp, 0, 2, 1000) is None
     assert not mp.status.any() and mp.lengths[0] == 3 and mp.lengths[1] > 3
+
+
+# ---- --overlong truncate that leaves no loss token -----------------------------------------
+
+TRUNCATED_AWAY = [
+    {"input_ids": list(range(1, 13)), "loss_mask": [0] * 8 + [1] * 4},  # loss only past 8
+    {"input_ids": list(range(1, 13)), "loss_mask": [0] * 7 + [1] * 5},  # keeps one loss token
+    {"input_ids": [1, 2], "loss_mask": [0, 1]},
+]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_truncate_drops_a_sample_it_would_leave_without_loss_tokens(tmp_path: Path, skip: bool):
+    spec = _spec(tmp_path / "out", kind="input_ids", seq_len=8, skip_bad_records=skip)
+    code = REASONS.index("no_loss_after_truncate") + 1
+    for f, (meta, block) in _both_paths(tmp_path, TRUNCATED_AWAY, spec):
+        assert meta.status.tolist() == [code, 0, 0] and meta.lengths.tolist() == [0, 12, 2]
+        (sid, location, reason, detail), *more = meta.examples
+        assert not more and (sid, reason) == (100, "no_loss_after_truncate")
+        assert location.endswith(
+            f"{f.url.rsplit('/', 1)[1]}:{'row' if 'parquet' in f.url else 'line'} 1"
+        )
+        assert "first 8 of 12 tokens" in detail and "first loss token is at 8" in detail
+        assert block.tokens.size == 14
+    # the scheduler fails a job on bad records only, never on what the policy dropped
+    (f, (meta, _)), _ = _both_paths(tmp_path, [*TRUNCATED_AWAY, {"input_ids": []}], spec)
+    assert [e[2] for e in meta.examples] == ["empty_input_ids", "no_loss_after_truncate"]
+
+
+@pytest.mark.parametrize("overlong", ["split", "drop"])
+def test_other_overlong_policies_keep_their_own_accounting(tmp_path: Path, overlong: str):
+    spec = _spec(tmp_path / "out", kind="input_ids", seq_len=8, overlong=overlong)
+    for _, (meta, _) in _both_paths(tmp_path, TRUNCATED_AWAY, spec):
+        assert not meta.status.any() and meta.lengths.tolist() == [12, 12, 2]
