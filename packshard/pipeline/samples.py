@@ -205,15 +205,30 @@ def to_sample(
     def has(field: str) -> bool:
         return get(field) is not None
 
+    def missing(fields: Sequence[str]) -> BadRecord:
+        """The error for required fields that are absent, or present but null."""
+        names = [columns.get(f, f) for f in fields if not has(f)]
+        return BadRecord(
+            "missing_fields",
+            "; ".join(f"{n!r} is null" if n in record else f"no {n!r} field" for n in names),
+        )
+
     if kind == "auto":
         detected = detect_kind(has)
         if detected is None:
+            for needed in KIND_FIELDS.values():  # a kind whose columns are all there, some null
+                if all(columns.get(f, f) in record for f in needed):
+                    raise missing(needed)
             raise BadRecord(
                 "missing_fields",
                 f"no sample fields: expected one of [{_wanted(columns)}], the record has "
                 f"{sorted(record)[:12]}; map yours with --columns (e.g. --columns prompt=question,completion=answer)",
             )
         kind = detected
+    if kind not in KIND_FIELDS:
+        raise ValueError(f"kind={kind!r} is not known; choose one of {list(KINDS)}")
+    if not all(has(f) for f in KIND_FIELDS[kind]):
+        raise missing(KIND_FIELDS[kind])
     if kind == "messages":
         return Chat(
             _messages(get("messages"), columns.get("messages", "messages")), _tools(get("tools"))
@@ -222,21 +237,15 @@ def to_sample(
         return _prompt_completion(get("prompt"), get("completion"), columns, has_chat_template)
     if kind == "input_ids":
         return _tokens(get("input_ids"), get("loss_mask"), columns)
-    if kind == "text":
-        text = get("text")
-        if text is None:
-            raise BadRecord("missing_fields", f"no {columns.get('text', 'text')!r} field")
-        if not isinstance(text, str):
-            raise BadRecord("bad_field_type", f"text must be a string, got {type(text).__name__}")
-        if not text:
-            raise BadRecord("empty_text", "the text is empty")
-        return Text(text)
-    raise ValueError(f"kind={kind!r} is not known; choose one of {list(KINDS)}")
+    text = get("text")
+    if not isinstance(text, str):
+        raise BadRecord("bad_field_type", f"text must be a string, got {type(text).__name__}")
+    if not text:
+        raise BadRecord("empty_text", "the text is empty")
+    return Text(text)
 
 
 def _messages(value: Any, field: str) -> list[dict[str, Any]]:
-    if value is None:
-        raise BadRecord("missing_fields", f"no {field!r} field")
     if not isinstance(value, list):
         raise BadRecord(
             "bad_field_type", f"{field} must be a list of messages, got {type(value).__name__}"
@@ -285,8 +294,6 @@ def _prompt_completion(
     prompt: Any, completion: Any, columns: Mapping[str, str], has_chat_template: bool
 ) -> Sample:
     pname, cname = columns.get("prompt", "prompt"), columns.get("completion", "completion")
-    if prompt is None or completion is None:
-        raise BadRecord("missing_fields", f"needs both {pname!r} and {cname!r}")
     if isinstance(prompt, str) and isinstance(completion, str):
         if not has_chat_template:
             return PlainPromptCompletion(prompt, completion)

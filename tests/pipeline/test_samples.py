@@ -51,6 +51,27 @@ def test_column_mapping_serves_a_mix_of_datasets():
     assert to_sample({"body": "doc"}, columns=cols) == Text("doc")
 
 
+@pytest.mark.parametrize(
+    ("record", "kind", "detail"),
+    [
+        ({"question": None, "answer": "4"}, "auto", "'question' is null"),
+        ({"question": "2+2?", "answer": None}, "auto", "'answer' is null"),
+        ({"question": "2+2?"}, "prompt_completion", "no 'answer' field"),
+        ({"question": None}, "prompt_completion", "'question' is null; no 'answer' field"),
+        ({"body": None}, "auto", "'body' is null"),
+        ({"body": None}, "text", "'body' is null"),
+        ({"messages": None}, "auto", "'messages' is null"),
+        ({"messages": None, "body": "doc"}, "messages", "'messages' is null"),
+        ({"input_ids": None}, "input_ids", "'input_ids' is null"),
+    ],
+)
+def test_a_null_field_is_named_rather_than_blamed_on_the_column_mapping(record, kind, detail):
+    cols = parse_columns(["prompt=question,completion=answer,text=body"])
+    with pytest.raises(BadRecord) as e:
+        to_sample(record, kind=kind, columns=cols)
+    assert (e.value.reason, e.value.detail) == ("missing_fields", detail)
+
+
 def test_forced_kind_and_tools_as_json_string():
     s = to_sample({**CHAT, "tools": '[{"name": "f"}]'}, kind="messages")
     assert isinstance(s, Chat) and s.tools == [{"name": "f"}]

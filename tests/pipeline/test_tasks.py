@@ -171,7 +171,8 @@ BAD_PRETOKENIZED = {  # record -> the reason the per-record path gives it
     "loss_mask_length": {"input_ids": [1, 2], "loss_mask": [1]},
     "token_out_of_range": {"input_ids": [1, 10**6], "loss_mask": [1, 1]},
     "no_loss_tokens": {"input_ids": [1, 2], "loss_mask": [0, 0]},
-    "bad_field_type": {"input_ids": None, "loss_mask": [1]},
+    "bad_field_type": {"input_ids": [1, None], "loss_mask": [1, 1]},
+    "missing_fields": {"input_ids": None, "loss_mask": [1]},
 }
 
 
