@@ -362,6 +362,32 @@ class ShardDataset:
             size = f.tell()
         _check_whole(where, entry, size, got)
 
+    def shard_file_problems(self) -> list[str]:
+        """Shards whose file is missing or not the manifest's size, from one listing per shard
+        directory (one request on object storage; no shard is opened). `verify` is the full
+        check; this is the cheap one `packshard stats` runs."""
+        sizes: dict[str, int | None] = {}
+        for folder in sorted({e.path.rpartition("/")[0] for e in self.shards}):
+            where = f"{self.url}/{folder}" if folder else self.url
+            try:
+                with reading(where):
+                    listed = self.fs.ls(f"{self.root}/{folder}".rstrip("/"), detail=True)
+            except FormatError:  # the folder is missing: so is every shard in it
+                continue
+            for info in listed:
+                name = str(info["name"]).rstrip("/").rpartition("/")[2]
+                size = info.get("size")
+                sizes[f"{folder}/{name}" if folder else name] = None if size is None else int(size)
+        problems = []
+        for e in self.shards:
+            if e.path not in sizes:
+                problems.append(f"{self.url}/{e.path}: missing (the manifest names it)")
+            elif sizes[e.path] is not None and sizes[e.path] != e.bytes:
+                problems.append(
+                    f"{self.url}/{e.path}: {sizes[e.path]:,} bytes, the manifest says {e.bytes:,}"
+                )
+        return problems
+
     def close_shard(self, shard: int) -> None:
         """Close one shard's open file (it is reopened on the next read of that shard)."""
         with self._shard_lock(shard):

@@ -45,6 +45,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
         plot_stats(ds, args.plot)
         if not args.json:
             print(f"plot written to {args.plot}")
+    problems = ds.shard_file_problems()
+    for p in problems:
+        print(f"packshard stats: {redact_text(p)}", file=sys.stderr)
+    if problems:
+        print(
+            f"packshard stats: {len(problems)} of {len(ds.shards)} shards damaged; the figures "
+            f"above are the manifest's (`packshard verify {ds.url}` checks everything)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -76,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="pack raw samples into a shard dataset (same flags as packshard.pipeline.pack)",
         add_help=False,
     )
-    p = sub.add_parser("stats", help="what a dataset holds (manifest and index only)")
+    p = sub.add_parser(
+        "stats", help="what a dataset holds (manifest and index; shard files listed, not read)"
+    )
     p.add_argument("url")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--plot", metavar="FILE.png", help="also write a PNG of row lengths and padding")

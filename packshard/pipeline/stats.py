@@ -1,6 +1,8 @@
 """`packshard stats URL`: what a dataset holds, from manifest.json and index.arrow only.
 
-No token data is read, so stats on a remote dataset of any size costs two small reads. Besides
+No token data is read, so stats on a remote dataset of any size costs two small reads, and the
+CLI adds one listing of the shard files (`ShardDataset.shard_file_problems`: a missing or
+resized shard fails the command). Besides
 the totals it reports what padding every row to seq_len would have cost on the same rows (the
 number packshard exists to remove), and the first skipped records with their file:line.
 

@@ -60,7 +60,7 @@ def test_unreachable_endpoint(s3_server, capsys):
     assert err.strip().splitlines() == [f"packshard stats: {refused}: Connection refused"]
 
 
-def test_missing_objects(dataset, tmp_path: Path):
+def test_missing_objects(dataset, tmp_path: Path, capsys):
     url, opts, manifest, client, bucket = dataset
     client.delete_object(Bucket=bucket, Key=f"ds/{manifest['shards'][1]['path']}")
     with pytest.raises(FormatError, match=r"ds/shards/part-00001\.arrow: missing \(the manifest names it\)"):  # fmt: skip
@@ -68,6 +68,16 @@ def test_missing_objects(dataset, tmp_path: Path):
     with pytest.raises(FormatError, match=r"part-00001\.arrow: missing"):
         list(PackedShardStream(url, **ONE_RANK, storage_options=opts, cache_dir=tmp_path / "c"))
     assert any("part-00001.arrow: missing" in p for p in verify_dataset(url, storage_options=opts))
+    key = f"ds/{manifest['shards'][2]['path']}"  # and one cut short: stats' listing sees both
+    data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=data[:-10])
+    assert cli(["stats", url, f"--storage-option=endpoint_url={opts['endpoint_url']}"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == [
+        f"packshard stats: {url}/shards/part-00001.arrow: missing (the manifest names it)",
+        f"packshard stats: {url}/shards/part-00002.arrow: {len(data) - 10:,} bytes, "
+        f"the manifest says {len(data):,}",
+    ]
     client.delete_object(Bucket=bucket, Key="ds/manifest.json")
     with pytest.raises(DatasetNotFoundError, match=r"holds shards but no manifest.json"):
         ShardDataset.open(url, storage_options=opts)

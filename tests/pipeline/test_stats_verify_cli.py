@@ -113,9 +113,27 @@ def test_stats_text_and_plot(dataset, tmp_path, capsys):
 
 def test_stats_does_not_read_shards(dataset, tmp_path, capsys):
     url, _, _ = dataset
-    for p in (tmp_path / "ds" / "shards").iterdir():
-        p.unlink()
+    for p in (tmp_path / "ds" / "shards").iterdir():  # garbage of the manifest's sizes
+        p.write_bytes(bytes(p.stat().st_size))
     assert main(["stats", url]) == 0
+    assert "padding every row to seq_len" in capsys.readouterr().out
+
+
+def test_stats_names_missing_and_truncated_shards_and_fails(dataset, tmp_path, capsys):
+    url, _, manifest = dataset
+    shards = tmp_path / "ds" / "shards"
+    (shards / "part-00001.arrow").unlink()
+    last = shards / manifest["shards"][-1]["path"].rpartition("/")[2]
+    last.write_bytes(last.read_bytes()[:-100])
+    assert main(["stats", url]) == 1
+    out, err = capsys.readouterr()
+    assert "padding every row to seq_len" in out  # the manifest's figures are still printed
+    assert f"{url}/shards/part-00001.arrow: missing (the manifest names it)" in err
+    size = manifest["shards"][-1]["bytes"]
+    assert f"{last.name}: {size - 100:,} bytes, the manifest says {size:,}" in err
+    assert f"2 of {len(manifest['shards'])} shards damaged" in err
+    assert main(["stats", url, "--json"]) == 1  # JSON to stdout, the problems to stderr
+    assert json.loads(capsys.readouterr().out)["rows"] > 0
 
 
 def test_verify_ok(dataset, capsys):
