@@ -112,7 +112,7 @@ def parse_manifest(manifest: Any, where: str) -> Manifest:
             f"{where}: format version {manifest['version']!r} is not known to this reader "
             f"(it reads version {FORMAT_VERSION}); upgrade packshard"
         )
-    config = _parse_config(manifest, where)
+    config = parse_config(manifest, where)
     if not isinstance(manifest["shards"], list):
         raise FormatError(f"{where}: shards must be a list")
     shards = [_parse_shard(s, f"{where}: shards[{i}]") for i, s in enumerate(manifest["shards"])]
@@ -131,14 +131,19 @@ def parse_manifest(manifest: Any, where: str) -> Manifest:
     return Manifest(manifest, config, shards, index, totals)
 
 
-def _parse_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
+def parse_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
+    """manifest['config'] with the fields readers rely on checked (the writer checks it too)."""
     config = _object(manifest, "config", where)
     here = f"{where}: config"
-    _int(config, "seq_len", here, low=1)
-    _int(config, "pad_multiple", here, low=1)
+    seq_len = _int(config, "seq_len", here, low=1)
+    multiple = _int(config, "pad_multiple", here, low=1)
     _int(config, "pad_token_id", here, low=None)
+    if seq_len % multiple:
+        raise FormatError(f"{here}: seq_len {seq_len} is not a multiple of pad_multiple {multiple}")
     if config.get("cp") is not None:
-        _int(config, "cp", here, low=1)
+        cp = _int(config, "cp", here, low=1)
+        if multiple % cp:  # rows split into cp (contiguous) or 2*cp (zigzag) equal chunks
+            raise FormatError(f"{here}: pad_multiple {multiple} is not a multiple of cp {cp}")
     tokenizer = config.get("tokenizer")
     if tokenizer is not None and not (
         isinstance(tokenizer, dict) and isinstance(tokenizer.get("name", ""), str | None)

@@ -35,10 +35,11 @@ from packshard.packers.format import (
     INDEX_SCHEMA,
     MANIFEST_NAME,
     SHARD_SCHEMA,
+    FormatError,
     HashingWriter,
     shard_name,
 )
-from packshard.packers.manifest import ShardEntry
+from packshard.packers.manifest import ShardEntry, parse_config
 from packshard.packers.rows import row_index_stats
 
 log = logging.getLogger(__name__)
@@ -254,8 +255,10 @@ class DatasetWriter:
         rows_per_batch: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if "seq_len" not in config:
-            raise ValueError("config must hold 'seq_len'")
+        try:  # the rules every reader applies: the writer never commits what they refuse
+            parse_config({"config": dict(config)}, "config")
+        except FormatError as e:
+            raise ValueError(str(e)) from None
         if max_rows < 1 or max_bytes < 1:
             raise ValueError(f"max_rows ({max_rows}) and max_bytes ({max_bytes}) must be >= 1")
         self.fs, self.root = url_to_fs(url, storage_options)

@@ -123,6 +123,11 @@ def test_footer_byte_flip(tmp_path):
         (lambda m: m["index"].update(rows=3), r"index: rows is 3"),
         (lambda m: m["shards"][1].update(path=m["shards"][0]["path"]), r"shards name a file twice"),
         (lambda m: m.update(shards={}), r"shards must be a list"),
+        (lambda m: m["config"].update(cp=8), r"config: pad_multiple 4 is not a multiple of cp 8"),
+        (
+            lambda m: m["config"].update(seq_len=250),
+            r"config: seq_len 250 is not a multiple of pad_multiple 4",
+        ),
     ],
 )
 def test_manifest_values_are_checked(tmp_path, change, match):
@@ -131,6 +136,17 @@ def test_manifest_values_are_checked(tmp_path, change, match):
     with pytest.raises(FormatError, match=match) as e:
         ShardDataset.open(url).index  # noqa: B018
     assert "manifest.json" in str(e.value) or "index.arrow" in str(e.value)
+
+
+def test_the_writer_refuses_a_config_readers_would_refuse(tmp_path):
+    for change, match in [
+        ({"cp": 8}, "pad_multiple 4 is not a multiple of cp 8"),
+        ({"seq_len": 250}, "seq_len 250 is not a multiple of pad_multiple 4"),
+        ({"pad_token_id": None}, "pad_token_id must be an int"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            DatasetWriter(str(tmp_path / "ds"), {**CONFIG, **change})
+    assert not (tmp_path / "ds").exists()
 
 
 def test_what_a_url_without_a_dataset_holds(tmp_path):

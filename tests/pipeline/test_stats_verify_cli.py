@@ -93,7 +93,7 @@ def test_median_of_an_even_number_of_rows_keeps_its_half(tmp_path, capsys):
     to round it to the integer the JSON did not hold)."""
     ids = [np.arange(1, n + 1, dtype=np.int32) for n in (10, 11)]
     url = str(tmp_path / "even")
-    config = {**CONFIG, "seq_len": 16, "pad_multiple": 1}
+    config = {**CONFIG, "seq_len": 16, "cp": 1, "pad_multiple": 1}
     _write(url, ids, config, {"samples_in": 2, "samples_kept": 2, "dropped": {}})
     assert main(["stats", url, "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
@@ -217,7 +217,7 @@ def test_verify_row_invariant_breach_names_shard_and_row(tmp_path, capsys):
         "num_loss_tokens": 4,
     }
     url = str(tmp_path / "bad")
-    w = DatasetWriter(url, {**CONFIG, "pad_multiple": 4, "pad_token_id": 0})
+    w = DatasetWriter(url, {**CONFIG, "cp": 4, "pad_multiple": 4, "pad_token_id": 0})
     w.write(pa.RecordBatch.from_pylist([row], schema=SHARD_SCHEMA))
     w.close({"samples_in": 1, "samples_kept": 1, "dropped": {}})
     assert main(["verify", url, "--quiet"]) == 1
