@@ -21,6 +21,7 @@ nothing else escapes (a failing store is one line too). Exit status 0 when nothi
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,8 +51,9 @@ class _NoBar:
 
 
 def _progress_bar(total: int, show: bool) -> Any:
-    """tqdm's bar, or none: verify is part of the core install, tqdm comes with [pack]."""
-    if not show:
+    """tqdm's bar on a terminal, else none (a log or CI output gets no carriage-return
+    redraws); none without tqdm too: verify is part of the core install, tqdm comes with [pack]."""
+    if not show or not sys.stderr.isatty():
         return _NoBar()
     try:
         from tqdm import tqdm

@@ -233,3 +233,11 @@ def test_console_script_entry_point(dataset):
         text=True,
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_verify_draws_its_bar_only_on_a_terminal(dataset, monkeypatch, capsys, tty):
+    url, _, _ = dataset
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    assert main(["verify", url]) == 0
+    assert ("verify: 100%" in capsys.readouterr().err) is tty
