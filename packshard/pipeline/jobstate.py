@@ -147,9 +147,37 @@ def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = ""
         name = f"{prefix}{key}"
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             diffs += config_diff(a, b, f"{name}.")
+        elif name == "inputs" and isinstance(a, list) and isinstance(b, list) and a != b:
+            diffs += _inputs_diff(a, b)
         elif a != b:
             sa, sb = json.dumps(a, default=str), json.dumps(b, default=str)
             diffs.append(f"{name}: {sa[:120]} (existing) vs {sb[:120]} (this run)")
+    return diffs
+
+
+def _inputs_diff(old: list[Any], new: list[Any]) -> list[str]:
+    """What changed among the input files (`config.inputs`: url, bytes, version), per file."""
+    if not all(isinstance(f, Mapping) and "url" in f for f in (*old, *new)):
+        return [f"inputs: {json.dumps(old, default=str)[:120]} (existing) vs this run's"]
+    before = {f["url"]: f for f in old}
+    after = {f["url"]: f for f in new}
+    diffs = [f"input {u}: not an input of this run" for u in before if u not in after]
+    diffs += [f"input {u}: not an input of the existing one" for u in after if u not in before]
+    for u in (u for u in after if u in before):
+        a, b = before[u], after[u]
+        if a.get("bytes") != b.get("bytes"):
+            diffs.append(
+                f"input {u}: changed since: {a.get('bytes')} bytes then, {b.get('bytes')} now"
+            )
+        elif a != b:
+            changed = ", ".join(
+                f"{k} {a.get(k)} then, {b.get(k)} now"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            )
+            diffs.append(f"input {u}: changed since: {changed}")
+    if not diffs:  # the same files, listed in another order (the row order depends on it)
+        diffs.append("inputs: the same files in another order (it decides the rows' order)")
     return diffs
 
 
@@ -196,7 +224,8 @@ def inspect_output(
             return OutputState("complete")
         if not overwrite:
             raise OutputError(
-                f"{url} already holds a packshard dataset made with a different config:\n  "
+                f"{url} already holds a packshard dataset made with a different config (or from "
+                "inputs that changed since):\n  "
                 + "\n  ".join(diffs[:20])
                 + "\npass --overwrite to replace it, or choose another --output"
             )

@@ -204,6 +204,25 @@ def test_rerun_is_a_no_op_other_config_is_refused_overwrite_replaces(
     assert manifest(out)["config"]["seq_len"] == 8192 and verify_dataset(str(out)) == []
 
 
+def test_a_rerun_after_an_input_changed_names_the_file_and_the_change(
+    ray_local, tmp_path: Path, capsys
+):
+    inp, out = tmp_path / "chats.jsonl", tmp_path / "out"
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    inp.write_text(json.dumps(chat) + "\n")
+    args = ["--input", str(inp), "--output", str(out), "--tokenizer", "packshard:demo",
+            "--seq-len", "1024", "--cp", "8", "--no-progress"]  # fmt: skip
+    assert run(*args) == 0
+    size = inp.stat().st_size
+    with inp.open("a") as f:
+        f.write(json.dumps(chat) + "\n")
+    capsys.readouterr()
+    assert run(*args) == 1
+    err = capsys.readouterr().err
+    assert f"input {inp}: changed since: {size} bytes then, {2 * size} now" in err, err
+    assert "--overwrite" in err and '"bytes"' not in err
+
+
 def test_overlong_split_and_drop_are_counted(ray_local, tmp_path: Path):
     split, drop = tmp_path / "split", tmp_path / "drop"
     args = [

@@ -187,3 +187,23 @@ def test_unwritable_output_is_refused_before_any_work(tmp_path: Path):
 
 def test_config_diff_names_nested_keys():
     assert config_diff({"a": {"b": 1}}, {"a": {"b": 2}}) == ["a.b: 1 (existing) vs 2 (this run)"]
+
+
+def test_config_diff_names_each_changed_input_file():
+    a = {"url": "s3://b/a.jsonl", "bytes": 100, "version": "ETag=1"}
+    b = {"url": "s3://b/b.jsonl", "bytes": 50, "version": "ETag=2"}
+    c = {"url": "s3://b/c.jsonl", "bytes": 7, "version": "ETag=3"}
+    grown = {**a, "bytes": 120, "version": "ETag=9"}
+    assert config_diff({"inputs": [a, b]}, {"inputs": [grown, c]}) == [
+        "input s3://b/b.jsonl: not an input of this run",
+        "input s3://b/c.jsonl: not an input of the existing one",
+        "input s3://b/a.jsonl: changed since: 100 bytes then, 120 now",
+    ]
+    touched = {**a, "version": "mtime=2"}
+    assert config_diff({"inputs": [a]}, {"inputs": [touched]}) == [
+        "input s3://b/a.jsonl: changed since: version ETag=1 then, mtime=2 now"
+    ]
+    assert config_diff({"inputs": [a, b]}, {"inputs": [b, a]}) == [
+        "inputs: the same files in another order (it decides the rows' order)"
+    ]
+    assert config_diff({"inputs": [a]}, {"inputs": [a]}) == []
