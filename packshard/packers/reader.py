@@ -26,6 +26,7 @@ trainer overlap the range reads of several remote shards).
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -61,7 +62,7 @@ from packshard.packers.manifest import (
     parse_manifest,
 )
 from packshard.packers.shard_file import LIST_COLUMNS, BatchArrays, LocalShard, RemoteShard, Row
-from packshard.packers.urls import redact_url
+from packshard.packers.urls import dataset_url, redact_url
 from packshard.packers.writer import url_to_fs
 
 BATCH_ARRAYS_KEPT = 256  # record batches kept as numpy views (local: of the map; remote: ~3%)
@@ -91,7 +92,10 @@ class ShardDataset:
         self.whole_batch_bytes = WHOLE_BATCH_BYTES
 
     @classmethod
-    def open(cls, url: str, *, storage_options: Mapping[str, Any] | None = None) -> ShardDataset:
+    def open(
+        cls, url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+    ) -> ShardDataset:
+        url = dataset_url(url)
         fs, root = url_to_fs(url, storage_options)
         shown = redact_url(url)
         why = unreachable_endpoint(fs)  # at once, not after the client's retries (5-10 s)

@@ -9,6 +9,7 @@ dataset (`ShardDataset.url` is the redacted URL; its filesystem and root keep th
 
 from __future__ import annotations
 
+import os
 import re
 
 DEMO_SCHEME = "demo://"  # the pack job's built-in generated dataset (pipeline.demo)
@@ -16,6 +17,21 @@ _QUERY_SCHEMES = frozenset({"http", "https"})  # "?" starts a query; elsewhere i
 _CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@account
 # a URL in prose: trailing punctuation (",", ".", ")", ...) belongs to the sentence
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
+
+
+def dataset_url(url: object) -> str:
+    """A dataset's URL or local path as a string (a ``pathlib.Path`` is fine); TypeError for
+    anything else, ValueError for an empty one (which would read the working directory)."""
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if isinstance(url, bytes) or not isinstance(url, str):
+        raise TypeError(
+            f"a dataset URL must be a str or os.PathLike (a local path, s3://..., gs://...), "
+            f"got {type(url).__name__}"
+        )
+    if not url.strip():
+        raise ValueError("the dataset URL is empty: give the dataset's directory or URL")
+    return url
 
 
 def redact_url(url: str) -> str:

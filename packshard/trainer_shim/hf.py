@@ -179,9 +179,37 @@ class StreamStateCallback(TrainerCallback):
             saved = (state.stateful_callbacks or {}).get(STATE_KEY)
             self._resume(saved, step, bool(args.ignore_data_skip))
         self._trained = self._base_items + (step - self._base_step) * self._per_step
+        self._check_sizes(state.max_steps)
         if self.meter is None:
             self.meter = TrainedTokenMeter(dp_rank=self.dataset.topology.dp_rank)
         self.meter.start()
+
+    def _check_sizes(self, max_steps: int) -> None:
+        """Refuse a run that would train past the dataset's epochs: Trainer would iterate it
+        again from its start, the same rows in the same order, and the saved positions would
+        no longer say what was trained. Warn when a planning step is not an optimizer step."""
+        ds = self.dataset
+        if ds.rows_per_rank != self._per_step:
+            log.warning(
+                "PackedShardDataset(rows_per_rank=%d), but Trainer trains %d rows a step per rank "
+                "(per_device_train_batch_size x gradient_accumulation_steps): set rows_per_rank=%d "
+                "so that each balanced planning step is one optimizer step (and the data's last "
+                "step is not filled with rows that carry no tokens)",
+                ds.rows_per_rank, self._per_step, self._per_step,
+            )  # fmt: skip
+        available = ds.items_from_start()
+        needed = (max_steps - self._base_step) * self._per_step
+        if available is None or max_steps <= 0 or needed <= available:
+            return
+        per_epoch = ds.micro_batches_per_epoch
+        raise ValueError(
+            f"max_steps={max_steps} trains {needed:,} rows per rank from here ({self._per_step} a "
+            f"step), but the dataset holds {available:,} (epochs={ds.stream.config.epochs}, "
+            f"{per_epoch:,} rows per rank an epoch): Trainer would then iterate it again from the "
+            "start, the same rows in the same order. Pass epochs=None to PackedShardDataset "
+            "(endless, each epoch reshuffled; Trainer stops at max_steps), a larger epochs, or "
+            f"max_steps <= {self._base_step + available // self._per_step}"
+        )
 
     def _resume(self, saved: Any, step: int, ignore_data_skip: bool) -> None:
         if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
@@ -194,6 +222,7 @@ class StreamStateCallback(TrainerCallback):
             raise ValueError(
                 f"stream state of step {saved['global_step']} in a checkpoint of step {step}"
             )
+        self.total_tokens = int(saved.get("trained_tokens", 0))
         if ignore_data_skip:
             self.dataset.load_state_dict(saved["stream"], items=saved["items"])
             self._base_step, self._base_items = step, saved["items"]
@@ -241,6 +270,7 @@ class StreamStateCallback(TrainerCallback):
             "global_step": state.global_step,
             "items": items,
             "items_per_step": self._per_step,
+            "trained_tokens": self.total_tokens,
             "stream": self.dataset.state_after(items),
         }
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from packshard.packers.urls import redact_url
+from packshard.packers.urls import dataset_url, redact_url
+from packshard.trainer_shim.planning import Position
 from packshard.trainer_shim.stream import PackedShardStream
 from packshard.trainer_shim.topology import Topology
 
@@ -108,7 +109,7 @@ class PackedShardDataset(IterableDataset):
 
     def __init__(
         self,
-        url: str,
+        url: str | os.PathLike[str],
         *,
         rows_per_rank: int = 1,
         dp_rank: int | None = None,
@@ -129,7 +130,7 @@ class PackedShardDataset(IterableDataset):
             raise ValueError(f"PackedShardDataset: rows_per_rank={rows_per_rank} must be >= 1")
         if (dp_rank is None) != (dp_size is None):
             raise ValueError("PackedShardDataset: give both dp_rank and dp_size, or neither")
-        self.url = url
+        self.url = dataset_url(url)
         self.rows_per_rank = rows_per_rank
         self.allow_cross_document_attention = allow_cross_document_attention
         self._explicit = None if dp_size is None else Topology(dp_rank=dp_rank, dp_size=dp_size)  # type: ignore[arg-type]
@@ -158,7 +159,10 @@ class PackedShardDataset(IterableDataset):
                 "masked attention), sequence parallelism (sp_backend='deepspeed'), or pass "
                 "allow_cross_document_attention=True to accept it"
             )
-        topo = topology_for(rank, world, tp=tp, cp=cp, sp=sp)
+        try:
+            topo = topology_for(rank, world, tp=tp, cp=cp, sp=sp)
+        except ValueError as e:
+            raise ValueError(f"{e} (rank {rank} of {world} from {source})") from None
         log.info(
             "PackedShardDataset %s: rank %d of %d (%s), tp %d cp %d sp %d -> dp %d/%d",
             redact_url(self.url), rank, world, source, tp, cp, sp, topo.dp_rank, topo.dp_size,
@@ -193,7 +197,22 @@ class PackedShardDataset(IterableDataset):
         this / per_device_train_batch_size."""
         return self.stream.steps_per_epoch * self.stream.num_micro_steps
 
+    def items_from_start(self) -> int | None:
+        """Items one iteration yields from the start position (None: endless, epochs=None)."""
+        pos = self._start["position"]
+        steps = self.stream.planner.remaining_steps(
+            Position(pos["epoch"], pos["offset"], pos["step"])
+        )
+        return None if steps is None else steps * self.stream.num_micro_steps - pos["micro_step"]
+
     # ---- iteration ----------------------------------------------------------------------------
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "PackedShardDataset cannot be sent to another process (DataLoader workers under spawn "
+            "or forkserver, multiprocessing): it reads ahead on its own threads, so use "
+            "dataloader_num_workers=0; each process of a distributed run builds its own"
+        )
 
     def __iter__(self) -> Iterator[PackedRow]:
         if get_worker_info() is not None:

@@ -69,14 +69,16 @@ def run(
     stop_at: int | None = None,
     resume: str | None = None,
     ignore_data_skip: bool = True,
+    max_steps: int = STEPS,
+    epochs: int | None = 1,
 ) -> tuple[list[list[int]], dict[int, float], list[dict]]:
     """Train; returns (rows of every collated batch, loss by step, log history)."""
     torch.manual_seed(0)
     model = tiny_qwen3("sdpa")
-    ds = PackedShardDataset(url, rows_per_rank=GA, seed=1)
+    ds = PackedShardDataset(url, rows_per_rank=GA, seed=1, epochs=epochs)
     rec = Recorder()
     common = dict(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=1,
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=1,
         gradient_accumulation_steps=GA, learning_rate=3e-3, lr_scheduler_type="constant",
         logging_steps=1, save_strategy="steps", save_steps=3, report_to="none", use_cpu=True,
         seed=0, ignore_data_skip=ignore_data_skip, disable_tqdm=True, dataloader_num_workers=0,
@@ -139,9 +141,12 @@ def test_resume_sees_the_rows_and_losses_of_the_uninterrupted_run(
     assert all(math.isclose(first_loss[s], full_loss[s], rel_tol=1e-6) for s in (1, 2, 3))
     ckpt = str(tmp_path / "part" / "checkpoint-3")
     for ignore in skip_modes:
-        rows, losses, _ = run(
+        rows, losses, resumed_history = run(
             kind, url, tmp_path / f"resumed{ignore}", resume=ckpt, ignore_data_skip=ignore
         )
+        # the checkpoint carries the trained-token count on
+        last = [h for h in resumed_history if "loss" in h][-1]
+        assert last["trained_tokens"] == logged[-1]["trained_tokens"], ignore
         skipped = 0 if ignore else 3 * GA  # Trainer's own skip collates the trained batches again
         assert rows[skipped : skipped + (STEPS - 3) * GA] == trained[3 * GA :], ignore
         assert sorted(losses) == list(range(1, STEPS + 1))  # 1-3 from the checkpoint's history
@@ -152,3 +157,14 @@ def test_resume_sees_the_rows_and_losses_of_the_uninterrupted_run(
                 losses[s],
                 full_loss[s],
             )
+
+
+def test_max_steps_past_the_datas_epochs_is_refused_before_training(url: str, tmp_path: Path):
+    per_epoch = PackedShardDataset(url, rows_per_rank=GA, seed=1).micro_batches_per_epoch
+    too_many = per_epoch // GA + 1
+    with pytest.raises(
+        ValueError, match=f"max_steps={too_many} trains {too_many * GA} rows per rank"
+    ):
+        run("trainer", url, tmp_path / "a", max_steps=too_many)
+    # endless (epochs=None): Trainer's max_steps decides; stopped early here to stay quick
+    run("trainer", url, tmp_path / "b", max_steps=too_many, epochs=None, stop_at=1)

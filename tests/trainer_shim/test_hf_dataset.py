@@ -68,10 +68,19 @@ def test_two_dp_ranks_split_the_rows_and_need_the_callback(small_dataset: Path):
     assert sorted(got[0] + got[1]) == list(range(n))
 
 
+@pytest.mark.filterwarnings("ignore:Got pickle error:UserWarning")
 def test_dataloader_workers_are_refused(small_dataset: Path):
     ds = PackedShardDataset(str(small_dataset))
     with pytest.raises(RuntimeError, match="dataloader_num_workers=0"):
         list(DataLoader(ds, batch_size=1, num_workers=1, collate_fn=packed_collator))
+    # spawn / forkserver (macOS, Python 3.14's default) pickle the dataset for the worker
+    loader = DataLoader(
+        ds, batch_size=1, num_workers=1, collate_fn=packed_collator, multiprocessing_context="spawn"
+    )
+    with pytest.raises(
+        TypeError, match=r"cannot be sent to another process.*dataloader_num_workers=0"
+    ):
+        list(loader)
 
 
 @pytest.mark.parametrize(
