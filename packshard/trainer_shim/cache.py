@@ -70,7 +70,13 @@ class ShardCache:
         self.limit_bytes = limit_bytes
         slug = "".join(c if c.isalnum() else "-" for c in fingerprint)[:48]
         self.root = Path(cache_dir).expanduser().resolve() / slug
-        (self.root / "shards").mkdir(parents=True, exist_ok=True)
+        try:
+            (self.root / "shards").mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError, PermissionError) as e:
+            raise ValueError(
+                f"cache_dir={os.fspath(cache_dir)!r} cannot hold the shard cache: "
+                f"{type(e).__name__}: {e.strerror} ({e.filename}); give a writable directory"
+            ) from None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._reserved = 0  # bytes of downloads in flight

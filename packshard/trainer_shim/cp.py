@@ -68,20 +68,36 @@ def row_divisor(cp_size: int, layout: CpLayout) -> int:
 
 
 def check_layout(
-    pad_multiple: int, cp_size: int, layout: CpLayout, *, where: str = "dataset"
+    pad_multiple: int,
+    cp_size: int,
+    layout: CpLayout,
+    *,
+    where: str = "dataset",
+    seq_len: int | None = None,
 ) -> None:
     """Refuse a dataset whose rows cannot be cut for this CP layout, saying how to re-pack."""
     divisor = row_divisor(cp_size, layout)
     if cp_size > 1 and pad_multiple % divisor:
         raise ValueError(
             f"{where}: rows are padded to a multiple of {pad_multiple}, but cp_size={cp_size} with "
-            f"cp_layout={layout!r} needs a multiple of {divisor}; re-pack with `--pad-multiple {divisor}`"
+            f"cp_layout={layout!r} needs a multiple of {divisor}; {repack_advice(divisor, seq_len)}"
             + (
                 " (or use cp_layout='contiguous')"
                 if layout == "zigzag" and pad_multiple % cp_size == 0
                 else ""
             )
         )
+
+
+def repack_advice(divisor: int, seq_len: int | None) -> str:
+    """How to re-pack so that every row is a multiple of `divisor` (seq_len must be one too)."""
+    advice = f"re-pack with `--pad-multiple {divisor}`"
+    if seq_len is not None and seq_len % divisor:
+        advice += (
+            f" and a --seq-len that is a multiple of it (seq_len {seq_len} is not; e.g. "
+            f"--seq-len {seq_len - seq_len % divisor or divisor})"
+        )
+    return advice
 
 
 def cp_positions(

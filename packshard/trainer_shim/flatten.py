@@ -55,6 +55,11 @@ def flatten_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ``shift_labels`` (shifted) as int64 [1, N]; ``cu_seqlens`` int32 [segments + 1];
     ``max_seqlen`` int; ``num_rows``. Each row needs ``input_ids``, ``labels`` (shifted),
     ``position_ids`` and ``cu_seqlens`` as `PackedShardStream` hands them out (cp_size 1)."""
+    if isinstance(rows, Mapping):
+        raise TypeError(
+            "packed rows are collated as a list of items (a DataLoader batch); got one item: use "
+            "a batch_size of 1 or more, not batch_size=None"
+        )
     if not rows:
         raise ValueError("cannot collate an empty batch of packed rows")
     ids = _field(rows, "input_ids")
@@ -63,10 +68,15 @@ def flatten_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     cus = _field(rows, "cu_seqlens")
     for i, (a, s, p, c) in enumerate(zip(ids, shifted, positions, cus, strict=True)):
         n = a.numel()
-        if a.dim() != 1 or s.shape != a.shape or p.shape != a.shape or int(c[-1]) != n:
+        if a.dim() != 1 or c.dim() != 1 or s.shape != a.shape or p.shape != a.shape:
             raise ValueError(
                 f"row {i}: input_ids {tuple(a.shape)}, labels {tuple(s.shape)}, position_ids "
-                f"{tuple(p.shape)} and cu_seqlens ending at {int(c[-1])} do not describe one whole "
+                f"{tuple(p.shape)}, cu_seqlens {tuple(c.shape)}: a packed row's fields are 1-D, "
+                "of one length (pass the items of a PackedShardDataset / PackedShardStream whole)"
+            )
+        if int(c[-1]) != n:
+            raise ValueError(
+                f"row {i}: cu_seqlens ends at {int(c[-1])}, input_ids has {n} tokens: not one whole "
                 "row (a CP chunk cannot be flattened: stream it with cp_size=1)"
             )
     flat_ids = torch.cat(ids).to(torch.int64)

@@ -132,6 +132,17 @@ class TrainedTokenMeter:
 
     def update(self, mb: Mapping[str, Any]) -> None:
         """Count one micro-batch (its whole row: call on every CP rank, it is counted once)."""
+        missing = [
+            k
+            for k in ("num_tokens", "attn_cost", "num_loss_tokens", "padded_len", "row")
+            if k not in mb
+        ]
+        if missing:
+            raise KeyError(
+                f"TrainedTokenMeter.update takes one micro-batch or item as the stream yields it "
+                f"(a row's counts); this one lacks {missing} (a collated batch has none: update "
+                "with each of its items)"
+            )
         n, attn = int(mb["num_tokens"]), int(mb["attn_cost"])
         self._acc[1] += n
         self._acc[2] += int(mb["num_loss_tokens"])

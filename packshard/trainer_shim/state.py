@@ -103,6 +103,12 @@ class StreamState:
             if missing:
                 raise ValueError(f"PackedShardStream state: {section} lacks {missing}")
             fields.update({n: part[n] for n in names})
+        for name in ("num_rows", "epoch", "offset", "step", "micro_step"):
+            value = fields[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"PackedShardStream state: {name} must be an int >= 0, got {value!r}"
+                )
         fields["cost_model"] = tuple(float(x) for x in fields["cost_model"])
         return cls(**fields)
 

@@ -37,6 +37,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +46,15 @@ import numpy as np
 import torch
 
 from packshard.packers import CostModel, ShardDataset
-from packshard.packers.urls import redact_url
+from packshard.packers.urls import dataset_url, redact_url
 from packshard.trainer_shim.cache import ShardCache
-from packshard.trainer_shim.cp import CP_LAYOUTS, CpLayout, check_layout, row_divisor
+from packshard.trainer_shim.cp import (
+    CP_LAYOUTS,
+    CpLayout,
+    check_layout,
+    repack_advice,
+    row_divisor,
+)
 from packshard.trainer_shim.microbatch import TENSOR_KEYS, build_microbatch, filler_microbatch
 from packshard.trainer_shim.planning import BALANCES, Balance, Position, StepPlan, StepPlanner
 from packshard.trainer_shim.reading import Row, RowReader
@@ -87,6 +94,18 @@ class StreamConfig:
                 f"PackedShardStream: {field}={getattr(self, field)!r} is invalid: {why}"
             )
 
+        ints = ("dp_rank", "dp_size", "rows_per_step", "cp_rank", "cp_size", "seed",
+                "read_threads", "read_ahead_bytes")  # fmt: skip
+        optional_ints = ("epochs", "prefetch", "seq_len", "cache_limit_bytes")
+        for name in (*ints, *optional_ints):
+            value = getattr(self, name)
+            if (value is not None or name in ints) and not _is_int(value):
+                raise bad(name, "must be an int" + (" or None" if name in optional_ints else ""))
+            if isinstance(value, np.integer):  # a plain int from here on (states are JSON)
+                object.__setattr__(self, name, int(value))
+        for name in ("shuffle", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be True or False")
         if self.dp_size < 1:
             raise bad("dp_size", "must be >= 1")
         if not 0 <= self.dp_rank < self.dp_size:
@@ -115,6 +134,11 @@ class StreamConfig:
             raise bad("cache_limit_bytes", "must be >= 1 or None (unbounded)")
         if self.read_ahead_bytes < 0:
             raise bad("read_ahead_bytes", "must be >= 0")
+
+
+def _is_int(value: Any) -> bool:
+    """An int, numpy's included (RANK parsed by numpy, a config's np.int64), never a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
 def dataset_fingerprint(ds: ShardDataset) -> str:
@@ -160,7 +184,7 @@ class PackedShardStream:
 
     def __init__(
         self,
-        url: str,
+        url: str | os.PathLike[str],
         *,
         dp_rank: int,
         dp_size: int,
@@ -189,9 +213,16 @@ class PackedShardStream:
             read_threads=read_threads, verify=verify, seq_len=seq_len, cache_limit_bytes=cache_limit_bytes,
             read_ahead_bytes=read_ahead_bytes,
         )  # fmt: skip
+        c = self.config  # the checked values (numpy ints made ints)
+        dp_rank, dp_size, rows_per_step, seed, epochs = (
+            c.dp_rank, c.dp_size, c.rows_per_step, c.seed, c.epochs
+        )  # fmt: skip
+        url = dataset_url(url)
         self.url = redact_url(url)  # for messages and logs; the dataset reads the real one
         self.cost_model = cost_model or CostModel()
         self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"PackedShardStream: device={device!r}, but torch sees no CUDA device")
         self._pin = self.device is not None and self.device.type == "cuda"
         self.dataset = ShardDataset.open(url, storage_options=storage_options)
         self.dataset.whole_batch_bytes = WHOLE_BATCHES_PER_WINDOW * self.config.read_ahead_bytes
@@ -240,7 +271,9 @@ class PackedShardStream:
                 f"{where}: the dataset was packed with seq_len={ds_seq}, the stream expects seq_len={cfg.seq_len}; "
                 f"re-pack with `--seq-len {cfg.seq_len}` or construct the stream with seq_len={ds_seq}"
             )
-        check_layout(int(ds.config["pad_multiple"]), cfg.cp_size, cfg.cp_layout, where=where)
+        check_layout(
+            int(ds.config["pad_multiple"]), cfg.cp_size, cfg.cp_layout, where=where, seq_len=ds_seq
+        )
         ds_cp = ds.config.get("cp")
         if ds_cp is not None and int(ds_cp) != cfg.cp_size:
             log.info(
@@ -258,7 +291,7 @@ class PackedShardStream:
             r = int(bad[0])
             raise ValueError(
                 f"{self.url}/index.arrow: row {r} (and {bad.size - 1} more) has length {int(padded[r])}, not a multiple of "
-                f"{divisor} as cp_size={cfg.cp_size} cp_layout={cfg.cp_layout!r} needs; re-pack with `--pad-multiple {2 * cfg.cp_size}`"
+                f"{divisor} as cp_size={cfg.cp_size} cp_layout={cfg.cp_layout!r} needs; {repack_advice(divisor, ds_seq)}"
             )
         if (padded > ds_seq).any():
             r = int(np.flatnonzero(padded > ds_seq)[0])
@@ -303,7 +336,7 @@ class PackedShardStream:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state` (see trainer_shim.state for what may change on resume).
         An iteration in progress is stopped; iterate the stream again to continue."""
-        saved = StreamState.from_dict(dict(state))
+        saved = StreamState.from_dict(dict(state) if isinstance(state, Mapping) else state)
         check_resume(saved, self._state())
         if saved.micro_step >= self.num_micro_steps:
             raise ValueError(
@@ -339,13 +372,17 @@ class PackedShardStream:
             name="packshard-prefetch",
             daemon=True,
         )
-        thread.start()
-        return self._consume(q, stop, thread, generation)
+        thread.start()  # reading starts at iter(), before the first next()
+        consumer = self._consume(q, stop, thread, generation)
+        # an iterator dropped before its first next() never runs its finally: stop the thread
+        # when it is collected instead
+        weakref.finalize(consumer, stop.set)
+        return consumer
 
     def _consume(
         self, q: queue.Queue[Any], stop: threading.Event, thread: threading.Thread, generation: int
     ) -> Iterator[dict[str, Any]]:
-        superseded = "this iteration was superseded (load_state_dict or a new iter()); iterate the stream again"
+        superseded = "this iteration was stopped (by close(), load_state_dict or a new iter()); iterate the stream again"
         num_rows = self.dataset.num_rows
         try:
             while True:

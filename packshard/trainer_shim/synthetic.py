@@ -89,10 +89,14 @@ def write_synthetic_dataset(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer_shim.synthetic OUT``: a small dataset to try the example on."""
+    """``python -m packshard.trainer_shim.synthetic OUT``: a small dataset to try the example
+    on. OUT must not hold a dataset already (a synthetic one is no reason to overwrite)."""
     import argparse
 
-    p = argparse.ArgumentParser(description="Write a small synthetic packshard dataset.")
+    p = argparse.ArgumentParser(
+        prog="python -m packshard.trainer_shim.synthetic",
+        description="Write a small synthetic packshard dataset.",
+    )
     p.add_argument("out", help="dataset URL to write")
     p.add_argument("--num-samples", type=int, default=400)
     p.add_argument("--min-len", type=int, default=16)
@@ -101,16 +105,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pad-multiple", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    from packshard.packers.format import MANIFEST_NAME
+    from packshard.packers.writer import url_to_fs
+
+    fs, root = url_to_fs(args.out, None)
+    if fs.exists(f"{root}/{MANIFEST_NAME}"):
+        p.error(f"{args.out} already holds a dataset; choose another OUT or delete it first")
     lengths = np.random.default_rng(args.seed).integers(
         args.min_len, args.max_len + 1, args.num_samples
     )
-    m = write_synthetic_dataset(
-        args.out,
-        lengths=lengths,
-        seq_len=args.seq_len,
-        pad_multiple=args.pad_multiple,
-        seed=args.seed,
-    )
+    try:
+        m = write_synthetic_dataset(
+            args.out,
+            lengths=lengths,
+            seq_len=args.seq_len,
+            pad_multiple=args.pad_multiple,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        p.error(str(e))
     print(
         f"{args.out}: {m['totals']['rows']} rows, {m['totals']['num_tokens']} tokens, {len(m['shards'])} shards"
     )

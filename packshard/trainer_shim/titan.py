@@ -108,7 +108,7 @@ class PackedShardDataLoader(BaseDataLoader):
         if seq_len is not None and ds_seq > seq_len:
             raise ValueError(
                 f"{url} was packed with seq_len={ds_seq}, above torchtitan's training.seq_len={seq_len}: "
-                "re-pack with --seq-len {seq_len} or raise training.seq_len"
+                f"re-pack with --seq-len {seq_len} or raise training.seq_len"
             )
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:

@@ -76,7 +76,12 @@ class Topology:
             rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         except ValueError as e:
             raise ValueError(f"RANK / WORLD_SIZE must be integers ({e})") from None
-        return cls.from_rank(rank, world, cp_size=cp_size)
+        try:
+            return cls.from_rank(rank, world, cp_size=cp_size)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (RANK={rank}, WORLD_SIZE={world} from the environment)"
+            ) from None
 
     @classmethod
     def from_device_mesh(

@@ -179,3 +179,22 @@ def test_flex_attention_forward_loss_equals_documents(rows: list):
         packed = model(**packed_collator([sub])).loss.item()
         reference = docs_loss(tiny_qwen3("sdpa"), [sub])
     assert np.isclose(packed, reference, rtol=1e-5, atol=0)
+
+
+def test_what_the_collator_and_the_meter_cannot_take_is_named(rows: list):
+    from packshard.trainer_shim import TrainedTokenMeter
+
+    with pytest.raises(TypeError, match="got one item: use a batch_size of 1 or more"):
+        packed_collator(rows[0])  # DataLoader(batch_size=None) hands items one by one
+    with pytest.raises(ValueError, match="cannot collate an empty batch"):
+        packed_collator([])
+    two_d = {**rows[0], "input_ids": rows[0]["input_ids"][None]}
+    with pytest.raises(ValueError, match=r"row 0: input_ids \(1, \d+\).*fields are 1-D"):
+        packed_collator([two_d])
+    half = {k: rows[0][k] for k in ("labels", "position_ids", "cu_seqlens")}
+    n = rows[0]["input_ids"].numel() // 2
+    chunk = {**{k: v[:n] for k, v in half.items() if k != "cu_seqlens"}, "cu_seqlens": half["cu_seqlens"], "input_ids": rows[0]["input_ids"][:n]}  # fmt: skip
+    with pytest.raises(ValueError, match=f"cu_seqlens ends at {rows[0]['input_ids'].numel()}, input_ids has {n}"):  # fmt: skip
+        packed_collator([chunk])
+    with pytest.raises(KeyError, match=r"lacks .*'num_tokens'.*update with each of its items"):
+        TrainedTokenMeter().update(packed_collator(rows))

@@ -129,6 +129,24 @@ def test_load_state_supersedes_running_iteration(small_dataset: Path):
     it = iter(s)
     next(it)
     s.load_state_dict(stream(small_dataset).state_dict())
-    with pytest.raises(RuntimeError, match="superseded"):
+    with pytest.raises(RuntimeError, match="this iteration was stopped"):
         next(it)
     assert next(iter(s))["step"] == 0
+
+
+@pytest.mark.parametrize(
+    "state, match",
+    [
+        (None, "must be a dict, got NoneType"),
+        ('{"version": 1}', "must be a dict, got str"),
+        ({"position": {"micro_step": -1}}, r"micro_step must be an int >= 0, got -1"),
+        ({"position": {"offset": -4}}, r"offset must be an int >= 0, got -4"),
+        ({"position": {"step": 1.0}}, r"step must be an int >= 0, got 1.0"),
+    ],
+)
+def test_a_malformed_state_is_refused_when_loaded(small_dataset: Path, state, match):
+    if isinstance(state, dict):
+        good = stream(small_dataset).state_dict()
+        state = {**good, "position": {**good["position"], **state["position"]}}
+    with pytest.raises(ValueError, match=match):
+        stream(small_dataset).load_state_dict(state)

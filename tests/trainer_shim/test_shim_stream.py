@@ -224,6 +224,10 @@ def test_errors_arrive_after_the_good_micro_batches(copy_of):
             r"padded to a multiple of 4, but cp_size=8 .* needs a multiple of 8; re-pack with `--pad-multiple 8`",
         ),
         ({"cp_size": 4, "cp_rank": 0, "cp_layout": "zigzag"}, r"re-pack with `--pad-multiple 8`"),
+        (  # seq_len 512 is no multiple of 3: the advice says so
+            {"cp_size": 3, "cp_rank": 0},
+            r"re-pack with `--pad-multiple 3` and a --seq-len that is a multiple of it \(seq_len 512 is not; e.g. --seq-len 510\)",
+        ),
         ({"seq_len": 1024}, r"packed with seq_len=512, the stream expects seq_len=1024"),
         (
             {"rows_per_step": 3},
@@ -336,3 +340,70 @@ def test_whole_batches_kept_scale_with_read_ahead(small_dataset: Path):
         PackedShardStream(str(small_dataset), read_ahead_bytes=0, **args).dataset.whole_batch_bytes
         == 0
     )
+
+
+# ---- arguments a user can get wrong -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"rows_per_step": "4"}, r"rows_per_step='4' is invalid: must be an int"),
+        ({"dp_size": 2.0}, r"dp_size=2.0 is invalid: must be an int"),
+        ({"seed": 1.5}, r"seed=1.5 is invalid: must be an int"),
+        ({"seed": None}, r"seed=None is invalid: must be an int"),
+        ({"epochs": 1.5}, r"epochs=1.5 is invalid: must be an int or None"),
+        ({"shuffle": "no"}, r"shuffle='no' is invalid: must be True or False"),
+        ({"dp_rank": True}, r"dp_rank=True is invalid: must be an int"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(small_dataset: Path, kw: dict, match: str):
+    args = {"dp_rank": 0, "dp_size": 1, "rows_per_step": 4, **kw}
+    with pytest.raises(ValueError, match=match):
+        PackedShardStream(str(small_dataset), **args)
+
+
+def test_numpy_ints_and_paths_are_accepted_empty_urls_are_not(small_dataset: Path):
+    s = PackedShardStream(small_dataset, dp_rank=np.int64(0), dp_size=1, rows_per_step=np.int32(4))
+    assert next(iter(s))["step"] == 0
+    json.dumps(s.state_dict())  # a checkpoint's state stays JSON
+    s.close()
+    with pytest.raises(ValueError, match="the dataset URL is empty"):
+        PackedShardStream("", dp_rank=0, dp_size=1, rows_per_step=4)
+    with pytest.raises(TypeError, match=r"must be a str or os.PathLike.*got NoneType"):
+        PackedShardStream(None, dp_rank=0, dp_size=1, rows_per_step=4)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_at_construction(small_dataset: Path):
+    with pytest.raises(ValueError, match="device='cuda', but torch sees no CUDA device"):
+        PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, device="cuda")
+
+
+def test_a_cache_dir_that_is_a_file_is_named(small_dataset: Path, tmp_path: Path):
+    f = tmp_path / "cache"
+    f.write_text("")
+    with pytest.raises(ValueError, match=f"cache_dir='{f}' cannot hold the shard cache"):
+        PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, cache_dir=f)
+
+
+def test_an_iterator_dropped_before_its_first_item_stops_its_thread(small_dataset: Path):
+    import gc
+    import threading
+    import time
+
+    def prefetchers() -> int:
+        return sum(t.name == "packshard-prefetch" and t.is_alive() for t in threading.enumerate())
+
+    before = prefetchers()
+    # windows of 4 rows: the thread blocks on its full queue (2 windows) until told to stop
+    s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4)
+    it = iter(s)
+    time.sleep(0.3)
+    assert prefetchers() == before + 1
+    del it, s
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while prefetchers() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prefetchers() == before

@@ -127,7 +127,7 @@ def test_empty_state_is_a_fresh_start_and_foreign_state_is_refused(small_dataset
 
 def test_seq_len_above_torchtitans_is_refused(small_dataset: Path):
     config = PackedShardDataLoader.Config(dataset_path=str(small_dataset))
-    with pytest.raises(ValueError, match=r"training\.seq_len"):
+    with pytest.raises(ValueError, match=r"re-pack with --seq-len 256 or raise training\.seq_len"):
         config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=256, local_batch_size=1)
 
 
