@@ -359,6 +359,13 @@ class PackedShardStream:
     # ---- iteration --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.config.epochs is not None and len(self) == 0:
+            # `for epoch in range(3): for mb in stream:` would train one epoch without a word
+            log.warning(
+                "PackedShardStream %s: its %d epoch(s) are done; this iteration yields nothing "
+                "(epochs=N covers all N epochs in one iteration, epochs=None is endless)",
+                self.url, self.config.epochs,
+            )  # fmt: skip
         self._stop_producer()
         self._generation += 1
         generation = self._generation

@@ -407,3 +407,11 @@ def test_an_iterator_dropped_before_its_first_item_stops_its_thread(small_datase
     while prefetchers() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert prefetchers() == before
+
+
+def test_iterating_a_finished_stream_warns(small_dataset: Path, caplog):
+    s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4)
+    assert len(list(s)) > 0
+    with caplog.at_level("WARNING", logger="packshard.trainer_shim.stream"):
+        assert list(s) == []
+    assert "its 1 epoch(s) are done; this iteration yields nothing" in caplog.text
