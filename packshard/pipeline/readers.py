@@ -360,8 +360,57 @@ def _read_table(
     fields: Sequence[str] | None,
 ) -> Iterator[Record]:
     for first, table in _table_pieces(f, start, stop, storage_options, fields):
-        for i, rec in enumerate(table.to_pylist()):
+        for i, rec in enumerate(table_records(table)):
             yield f"{f.display}:row {first + i + 1}", rec
+
+
+def table_records(table: pa.Table) -> list[dict[str, Any]]:
+    """The table's rows as dicts, with Arrow's JSON extension type (``arrow.json``, what 🤗
+    datasets 5 writes for values of mixed shape: tool schemas, messages) decoded: pyarrow gives
+    such values as their JSON text, which would otherwise reach the chat template as strings."""
+    records = table.to_pylist()
+    json_columns = [
+        (name, t) for name, t in zip(table.column_names, table.schema.types, strict=True)
+        if _holds_json(t)
+    ]  # fmt: skip
+    for rec in records if json_columns else ():
+        for name, t in json_columns:
+            rec[name] = _decode_json(rec[name], t)
+    return records
+
+
+def _holds_json(t: pa.DataType) -> bool:
+    if isinstance(t, pa.BaseExtensionType):
+        return t.extension_name == "arrow.json" or _holds_json(t.storage_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _holds_json(t.value_type)
+    if pa.types.is_struct(t):
+        return any(_holds_json(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _holds_json(t.item_type)
+    return False
+
+
+def _decode_json(value: Any, t: pa.DataType) -> Any:
+    if value is None:
+        return None
+    if isinstance(t, pa.BaseExtensionType):
+        if t.extension_name != "arrow.json":
+            return _decode_json(value, t.storage_type)
+        try:
+            return json.loads(value)
+        except (TypeError, ValueError):
+            return value  # not JSON after all: the sample's own checks name the field
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return [_decode_json(v, t.value_type) for v in value]
+    if pa.types.is_struct(t):
+        return {
+            k: _decode_json(v, t.field(k).type) if t.get_field_index(k) >= 0 else v
+            for k, v in value.items()
+        }
+    if pa.types.is_map(t):
+        return [(k, _decode_json(v, t.item_type)) for k, v in value]
+    return value
 
 
 def _tables(

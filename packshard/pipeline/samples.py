@@ -230,9 +230,8 @@ def to_sample(
     if not all(has(f) for f in KIND_FIELDS[kind]):
         raise missing(KIND_FIELDS[kind])
     if kind == "messages":
-        return Chat(
-            _messages(get("messages"), columns.get("messages", "messages")), _tools(get("tools"))
-        )
+        field = columns.get("messages", "messages")
+        return Chat(_messages(_json_text(get("messages"), field), field), _tools(get("tools")))
     if kind == "prompt_completion":
         return _prompt_completion(get("prompt"), get("completion"), columns, has_chat_template)
     if kind == "input_ids":
@@ -243,6 +242,19 @@ def to_sample(
     if not text:
         raise BadRecord("empty_text", "the text is empty")
     return Text(text)
+
+
+def _json_text(value: Any, field: str) -> Any:
+    """A messages list stored as JSON text (a string column of `json.dumps(messages)`), parsed;
+    any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise BadRecord(
+            "bad_field_type", f"{field} is a string but not a JSON list of messages ({e})"
+        ) from None
 
 
 def _messages(value: Any, field: str) -> list[dict[str, Any]]:

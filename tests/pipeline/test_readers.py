@@ -167,6 +167,42 @@ def test_hf_save_to_disk_directories(tmp_path: Path):
         resolve_inputs([str(tmp_path / "dd")], split="validation")
 
 
+def test_arrows_json_extension_type_is_decoded(tmp_path: Path):
+    """🤗 datasets 5 stores values of mixed shape (tool schemas' properties, messages) as
+    Arrow's ``arrow.json`` extension type; pyarrow hands them out as JSON text."""
+    records = [
+        {
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "tools": [{"name": "f", "parameters": {"properties": {"x": {"type": "string"}}}}],
+        },
+        {
+            "messages": [{"role": "user", "content": "r", "name": "u"}],
+            "tools": [{"name": "g", "parameters": {"properties": {"y": {"enum": [1, 2]}}}}],
+        },
+    ]
+
+    def json_array(values: list) -> pa.Array:
+        return pa.ExtensionArray.from_storage(pa.json_(), pa.array([json.dumps(v) for v in values]))
+
+    messages = pa.ListArray.from_arrays(
+        pa.array([0, 2, 3], pa.int32()), json_array([m for r in records for m in r["messages"]])
+    )
+    params = pa.StructArray.from_arrays(
+        [json_array([r["tools"][0]["parameters"]["properties"] for r in records])], ["properties"]
+    )
+    tools = pa.ListArray.from_arrays(
+        pa.array([0, 1, 2], pa.int32()),
+        pa.StructArray.from_arrays([pa.array(["f", "g"]), params], ["name", "parameters"]),
+    )
+    table = pa.table({"messages": messages, "tools": tools})
+    assert "arrow.json" in str(table.schema)
+    pq.write_table(table, tmp_path / "t.parquet")
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    for name in ("t.parquet", "t.arrow"):
+        assert [r for _, r in _all(str(tmp_path / name))] == records, name
+
+
 def test_demo_input_is_generated_where_it_is_read():
     (f,) = resolve_inputs(["demo://?num_math=5&num_trajectories=1"])
     assert f.format == "demo" and f.records == 6

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from packshard.pipeline.samples import (
@@ -126,3 +128,11 @@ def test_bad_column_flags_are_refused():
         parse_columns(["question=prompt"])
     with pytest.raises(ValueError, match="CANONICAL=FIELD"):
         parse_columns(["prompt"])
+
+
+def test_messages_stored_as_json_text_are_parsed():
+    text = json.dumps(CHAT["messages"])
+    assert to_sample({"messages": text}) == to_sample(CHAT)
+    assert to_sample({"conv": text}, columns={"messages": "conv"}) == to_sample(CHAT)
+    with pytest.raises(BadRecord, match="messages is a string but not a JSON list of messages"):
+        to_sample({"messages": "[{"})
