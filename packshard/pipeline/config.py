@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument(
         "--split",
         default="train",
-        help="split of a DatasetDict directory or hub dataset (default train)",
+        help="split of a DatasetDict directory, a hub dataset, or a directory whose file names "
+        "name splits (data/train-00000-of-00002.parquet; default train)",
     )
     add_storage_option_flag(io)
     tk = p.add_argument_group("samples and tokenization")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -185,10 +186,12 @@ def _resolve_one(
     try:
         if _is_glob(fs, path):
             paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
+            _split_does_not_apply(spec, split, "a glob reads what it matches")
             return _read_and_warn(fs, spec, paths, {p: p for p in paths}, skip_hidden=False)
         if fs.isdir(path):
             return _directory(fs, path, spec, split)
         if fs.isfile(path):
+            _split_does_not_apply(spec, split, "a file")
             return [_file(fs, path, spec, strict=True)]
     except PermissionError as e:
         raise InputError(f"input {spec!r}: permission denied ({e})") from None
@@ -242,7 +245,49 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
     found = sorted(fs.find(path))
     shown = {p: posixpath.relpath(p, path) for p in found}
-    return _read_and_warn(fs, spec, found, shown, skip_hidden=True)
+    splits = {
+        p: split_in_name(shown[p])
+        for p in found
+        if _format_of(p) and not posixpath.basename(p).startswith((".", "_"))
+    }
+    present = sorted({s for s in splits.values() if s is not None})
+    if not present:
+        _split_does_not_apply(spec, split, "no split in its file names")
+        return _read_and_warn(fs, spec, found, shown, skip_hidden=True)
+    if split not in present:
+        raise InputError(
+            f"input {spec!r} holds the splits {present} (by its file names), not {split!r}; "
+            "pass --split"
+        )
+    other = {
+        p: f"split {s}" if s else "no split in its name" for p, s in splits.items() if s != split
+    }
+    return _read_and_warn(fs, spec, found, shown, skip_hidden=True, left_out=other)
+
+
+# Split names in data file names, as the Hugging Face hub lays them out
+# (data/train-00000-of-00002.parquet, test/part-0.jsonl, validation.jsonl, ...)
+SPLIT_WORDS = {
+    "train": "train", "training": "train",
+    "validation": "validation", "valid": "validation", "val": "validation", "dev": "validation",
+    "test": "test", "testing": "test", "eval": "test", "evaluation": "test",
+}  # fmt: skip
+
+
+def _split_does_not_apply(spec: str, split: str, why: str) -> None:
+    if split != "train":  # the default: only a --split given on purpose is worth a word
+        log.warning(
+            "input %s: --split %s does not apply (%s): read whole", redact_url(spec), split, why
+        )
+
+
+def split_in_name(rel: str) -> str | None:
+    """The split a data file's path (relative to its directory) names: the first of its words
+    (split at "/", "-", "_", ".", spaces and digits) that is a split name, or None."""
+    for word in re.split(r"[/\-_. 0-9]+", rel.lower()):
+        if word in SPLIT_WORDS:
+            return SPLIT_WORDS[word]
+    return None
 
 
 def _read_and_warn(
@@ -252,25 +297,31 @@ def _read_and_warn(
     shown: Mapping[str, str],
     *,
     skip_hidden: bool,
+    left_out: Mapping[str, str] | None = None,
 ) -> list[InputFile]:
     """The `paths` of a directory or glob that the job reads, in order. The others (a type it
-    cannot read, such as .csv or .bz2; in a directory, names starting with "." or "_") are
-    named in one warning, by their `shown` names: nothing is left out unsaid."""
+    cannot read, such as .csv or .bz2; in a directory, names starting with "." or "_"; files of
+    another split, `left_out`) are named in one warning, by their `shown` names: nothing is
+    left out unsaid."""
     read, ignored = [], []
     for p in paths:
         if skip_hidden and posixpath.basename(p).startswith((".", "_")):
             ignored.append(f"{shown[p]} (hidden)")
         elif not _format_of(p):
             ignored.append(f"{shown[p]} (not a type packshard reads)")
+        elif left_out and p in left_out:
+            ignored.append(f"{shown[p]} ({left_out[p]})")
         else:
             read.append(_file(fs, p, spec))
     if ignored:
         more = len(ignored) - IGNORED_SHOWN
+        types = any(i.endswith("(not a type packshard reads)") for i in ignored)
         log.warning(
-            "input %s: ignored %d of its %d files: %s%s (packshard reads .jsonl/.ndjson "
-            "(+.gz/.zst), .json, .parquet, .arrow/.feather/.ipc and .txt)",
+            "input %s: ignored %d of its %d files: %s%s%s",
             redact_url(spec), len(ignored), len(paths), ", ".join(ignored[:IGNORED_SHOWN]),
             f" and {more} more" if more > 0 else "",
+            " (packshard reads .jsonl/.ndjson (+.gz/.zst), .json, .parquet, .arrow/.feather/.ipc "
+            "and .txt)" if types else "",
         )  # fmt: skip
     return read
 

@@ -203,6 +203,33 @@ def test_arrows_json_extension_type_is_decoded(tmp_path: Path):
         assert [r for _, r in _all(str(tmp_path / name))] == records, name
 
 
+def test_a_directory_with_split_names_reads_one_split(tmp_path: Path, caplog):
+    """The hub's layout (data/train-00000-of-00002.parquet, ...): --split picks the files."""
+    d = tmp_path / "hub" / "data"
+    d.mkdir(parents=True)
+    for name, n in [("train-00000-of-00002", 6), ("train-00001-of-00002", 4), ("test-00000-of-00001", 3)]:  # fmt: skip
+        pq.write_table(pa.table({"n": list(range(n))}), d / f"{name}.parquet")
+    (d.parent / "README.md").write_text("configs: ...")
+    hub = str(tmp_path / "hub")
+
+    def records(spec: str, **kw) -> int:
+        return sum(count_records(f).records for f in resolve_inputs([spec], **kw))
+
+    with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
+        assert records(hub) == 10
+    assert "data/test-00000-of-00001.parquet (split test)" in caplog.text
+    assert records(hub, split="test") == 3
+    with pytest.raises(
+        InputError, match=r"holds the splits \['test', 'train'\] .*not 'validation'"
+    ):
+        resolve_inputs([hub], split="validation")
+    # a file, or a directory without split names, is read whole; an explicit --split says so
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
+        assert len(_all(str(d / "test-00000-of-00001.parquet"), split="validation")) == 3
+    assert "--split validation does not apply (a file): read whole" in caplog.text
+
+
 def test_demo_input_is_generated_where_it_is_read():
     (f,) = resolve_inputs(["demo://?num_math=5&num_trajectories=1"])
     assert f.format == "demo" and f.records == 6
