@@ -38,7 +38,8 @@ special-token terminator (else the turn ends at the end of P_{k+1} when that is 
 else the record fails loudly), and (c) content that does not itself contain the terminator
 (rejected as ``special_token_in_content``). Templates that drop a role (Phi-3 has no ``tool``
 role) or ignore ``tools`` are found by probing once and reported per record
-(``role_not_in_template`` / ``tools_not_in_template``) instead of losing text.
+(``role_not_in_template`` / ``tools_not_in_template`` / ``tool_calls_not_in_template``)
+instead of losing text.
 """
 
 from __future__ import annotations
@@ -305,6 +306,7 @@ class TemplateProfile:
     renders_tools: bool
     header: str | None = None
     guard: tuple[str, ...] = ()
+    renders_tool_calls: bool = True
 
 
 def probe_template(renderer: ChatRenderer, special_tokens: Sequence[str]) -> TemplateProfile:
@@ -348,8 +350,16 @@ def probe_template(renderer: ChatRenderer, special_tokens: Sequence[str]) -> Tem
         },
     }
     renders_tools = rendered([{"role": "user", "content": p[0]}], p[3], tools=[schema]) is not None
+    call: dict[str, Any] = {"type": "function", "function": {"name": p[3], "arguments": {}}}
+    calls: list[dict[str, Any]] = [
+        {"role": "user", "content": p[0]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    renders_tool_calls = rendered(calls, p[3]) is not None
     header, guard = _assistant_header(renderer, special_tokens, p[0], terminator)
-    return TemplateProfile(terminator, frozenset(roles), renders_tools, header, guard)
+    return TemplateProfile(
+        terminator, frozenset(roles), renders_tools, header, guard, renders_tool_calls
+    )
 
 
 def _assistant_header(
@@ -423,6 +433,14 @@ class ChatMasker:
                 "tools_not_in_template",
                 "the record has tools, which this chat template does not render",
             )
+        if not prof.renders_tool_calls:
+            for i, m in enumerate(original):
+                if m.get("tool_calls"):
+                    raise BadRecord(
+                        "tool_calls_not_in_template",
+                        f"messages[{i}] has tool_calls, which this chat template does not render "
+                        "(the turn would train on its content alone)",
+                    )
         msgs = ChatRenderer.prepare(original)
         full = self.render(msgs, tools)
         try:

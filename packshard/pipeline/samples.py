@@ -64,6 +64,7 @@ REASONS: tuple[str, ...] = (
     "no_loss_tokens",
     "token_out_of_range",
     "no_loss_after_truncate",
+    "tool_calls_not_in_template",
 )
 # Reasons the user's --overlong policy decides, not bad input: counted and listed like bad
 # records, but they never fail a job run without --skip-bad-records.

@@ -303,14 +303,30 @@ def test_templates_that_drop_a_role_or_tools_are_reported():
     )
     enc = SampleEncoder(no_tool)
     assert "tool" not in enc.profile.roles and not enc.profile.renders_tools
+    assert not enc.profile.renders_tool_calls
     chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    a, b = enc.encode(
+    call = {"type": "function", "function": {"name": "get_w", "arguments": {"c": "x"}}}
+    a, b, c = enc.encode(
         [
             Chat([*chat, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "c"}]),
             Chat(chat, tools=[{"name": "f"}]),
+            Chat([chat[0], {"role": "assistant", "content": "", "tool_calls": [call]}, *chat]),
         ]
     )
     assert a.reason == "role_not_in_template" and b.reason == "tools_not_in_template"
+    assert c.reason == "tool_calls_not_in_template" and "messages[1] has tool_calls" in c.detail
+    # a template that renders the calls makes the same chat a sample
+    with_calls = copy.copy(tok)
+    with_calls.chat_template = no_tool.chat_template.replace(
+        "{{ m['content'] }}",
+        "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}{{ c['function']['name'] }}{% endfor %}",
+    )
+    enc = SampleEncoder(with_calls)
+    assert enc.profile.renders_tool_calls
+    (got,) = enc.encode(
+        [Chat([chat[0], {"role": "assistant", "content": "", "tool_calls": [call]}])]
+    )
+    assert not isinstance(got, BadRecord)
 
 
 def test_tokenizer_loading_fingerprint_and_pad():
