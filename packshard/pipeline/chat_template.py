@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -537,6 +538,7 @@ class ChatMasker:
             prior = self.render(msgs[:k], tools)
             common = _common_prefix_len(head, full)
             if full.startswith(prior) and common >= len(prior):
+                _check_not_inside_block(head, full, len(prior), common, k)
                 return common
         raise BadRecord(
             "template_not_prefix_stable",
@@ -587,6 +589,25 @@ def _mentions(value: Any, needles: tuple[str, ...]) -> bool:
     if isinstance(value, list | tuple):
         return any(_mentions(v, needles) for v in value)
     return False
+
+
+_OPEN_TAG = re.compile(r"<([A-Za-z_][\w-]*)>")
+
+
+def _check_not_inside_block(head: str, full: str, turn: int, common: int, k: int) -> None:
+    """Refuse a turn that parts from the generation prompt inside a tagged block the prompt
+    writes (Qwen3 with enable_thinking=false writes ``<think>\n\n</think>\n\n``; a message
+    whose content holds its own ``<think>...`` shares the block's opening): the loss would start
+    mid-block, on text that follows a prompt the model is never given."""
+    matched, rest = head[turn:common], head[common:]
+    for tag in _OPEN_TAG.findall(matched):
+        if f"</{tag}>" in rest and f"</{tag}>" not in matched:
+            raise BadRecord(
+                "content_inside_generation_prompt",
+                f"messages[{k}] renders inside the <{tag}> block the generation prompt writes "
+                f"({head[turn:]!r} with these template kwargs): the turn does not follow the prompt "
+                "the model gets (reasoning content with thinking disabled?)",
+            )
 
 
 def _common_prefix_len(a: str, b: str) -> int:

@@ -65,6 +65,7 @@ REASONS: tuple[str, ...] = (
     "token_out_of_range",
     "no_loss_after_truncate",
     "tool_calls_not_in_template",
+    "content_inside_generation_prompt",
 )
 # Reasons the user's --overlong policy decides, not bad input: counted and listed like bad
 # records, but they never fail a job run without --skip-bad-records.

@@ -199,6 +199,15 @@ def test_qwen3_think_block_of_the_last_turn_is_trained_and_earlier_turns_have_no
     no_think = SampleEncoder(tok, template_kwargs={"enable_thinking": False})
     text, spans = no_think.loss_spans(chat)  # the empty think block is then part of the prompt
     assert [text[s:e] for s, e in spans] == ["b<|im_end|>", "d<|im_end|>"]
+    # reasoning in the content with thinking disabled: the turn would part from the prompt
+    # inside its <think> block (the loss starting mid-block); refused
+    reasoning = Chat(
+        [chat.messages[0], {"role": "assistant", "content": "<think>\nx\n</think>\n\nd"}]
+    )
+    (got,) = no_think.encode([reasoning])
+    assert isinstance(got, BadRecord) and got.reason == "content_inside_generation_prompt"
+    text, spans = enc.loss_spans(reasoning)  # thinking on: the whole block is the turn's
+    assert [text[s:e] for s, e in spans] == ["<think>\nx\n</think>\n\nd<|im_end|>"]
 
 
 # ---- the built-in tokenizer (no shared data needed) ---------------------------------------
