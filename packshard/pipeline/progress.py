@@ -175,12 +175,16 @@ def format_summary(
     if policy == "truncate":
         line = f"  overlong  truncate: {t['truncated_samples']:,} samples cut, {t['truncated_tokens']:,} tokens lost"
         if n_emptied := t["dropped"].get("no_loss_after_truncate", 0):
-            line += f"; {n_emptied:,} more dropped, their loss tokens all past seq_len"
+            line += f"; {n_emptied:,} more dropped ({t['dropped_tokens']:,} tokens), their loss tokens all past seq_len"
         lines.append(line)
     elif policy == "split":
-        lines.append(
-            f"  overlong  split: {t['split_samples']:,} samples into {t['extra_pieces']:,} extra pieces"
-        )
+        line = f"  overlong  split: {t['split_samples']:,} samples into {t['extra_pieces']:,} extra pieces"
+        if t.get("lossless_pieces"):
+            line += (
+                f"; {t['lossless_pieces']:,} pieces ({t['lossless_piece_tokens']:,} tokens) carry no "
+                "loss token and train nothing"
+            )
+        lines.append(line)
     else:
         lines.append(
             f"  overlong  drop: {t['dropped'].get('overlong', 0):,} samples, {t['dropped_tokens']:,} tokens"

@@ -526,6 +526,8 @@ def merge_counters(results: list[ShardResult]) -> dict[str, Any]:
         "split_samples": 0,
         "extra_pieces": 0,
         "dropped_tokens": 0,
+        "lossless_pieces": 0,
+        "lossless_piece_tokens": 0,
     }
     examples: list[list[Any]] = []
     for r in results:
@@ -538,6 +540,8 @@ def merge_counters(results: list[ShardResult]) -> dict[str, Any]:
             "split_samples",
             "extra_pieces",
             "dropped_tokens",
+            "lossless_pieces",
+            "lossless_piece_tokens",
         ):
             totals[key] += int(c.get(key, 0))
         for reason, n in c.get("dropped", {}).items():

@@ -25,6 +25,10 @@ from packshard.packers import ShardDataset
 
 SHOWN_EXAMPLES = 5  # skipped records printed by stats and the job's summary
 MAX_EXAMPLES = 20  # skipped records the manifest keeps (scheduler.merge_counters)
+OVERLONG_COUNTERS = (
+    "truncated_samples", "truncated_tokens", "split_samples", "extra_pieces", "dropped_tokens",
+    "lossless_pieces", "lossless_piece_tokens",
+)  # fmt: skip
 
 
 def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
@@ -54,6 +58,10 @@ def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
         "samples_in": totals.get("samples_in"),
         "samples_kept": totals.get("samples_kept"),
         "dropped": totals.get("dropped", {}),
+        "overlong": {
+            "policy": cfg.get("overlong"),
+            **{k: totals.get(k, 0) for k in OVERLONG_COUNTERS},
+        },
         "documents": int(docs.sum()),
         "num_tokens": true_tokens,
         "padded_tokens": padded_tokens,
@@ -130,6 +138,7 @@ def format_stats(st: Mapping[str, Any]) -> str:
         f"config       seq_len {st['seq_len']:,}  cp {st['cp']}  pad_multiple {st['pad_multiple']}  tokenizer {st['tokenizer']}",
         f"shards       {st['shards']:,} ({st['bytes'] / 2**20:,.1f} MiB)",
         f"samples      in {_n(st['samples_in'])}  kept {_n(st['samples_kept'])}  dropped: {dropped}",
+        *_overlong_lines(st.get("overlong") or {}),
         f"rows         {st['rows']:,}  documents {st['documents']:,}  "
         f"docs/row mean {st['docs_per_row']['mean']:.2f} median {_num(st['docs_per_row']['median'])} max {st['docs_per_row']['max']}",
         f"tokens       true {st['num_tokens']:,}  padded {st['padded_tokens']:,}  loss {st['loss_tokens']:,}",
@@ -148,6 +157,23 @@ def format_stats(st: Mapping[str, Any]) -> str:
             close = "]" if i == len(counts) - 1 else ")"  # numpy's last bin includes its right edge
             lines.append(f"  [{lo:>8,}, {hi:>8,}{close}  {c:>8,}  {bar}")
     return "\n".join(lines)
+
+
+def _overlong_lines(o: Mapping[str, Any]) -> list[str]:
+    """What the overlong policy cut, split or dropped (nothing when it did nothing)."""
+    policy = o.get("policy")
+    if policy == "truncate" and o.get("truncated_samples"):
+        return [
+            f"overlong     truncate: {o['truncated_samples']:,} samples cut, {o['truncated_tokens']:,} tokens lost"
+        ]
+    if policy == "split" and o.get("split_samples"):
+        text = f"overlong     split: {o['split_samples']:,} samples into {o['extra_pieces']:,} extra pieces"
+        if o.get("lossless_pieces"):
+            text += f"; {o['lossless_pieces']:,} pieces ({o['lossless_piece_tokens']:,} tokens) carry no loss token"
+        return [text]
+    if policy == "drop" and o.get("dropped_tokens"):
+        return [f"overlong     drop: {o['dropped_tokens']:,} tokens of the dropped samples"]
+    return []
 
 
 def _n(x: Any) -> str:

@@ -107,6 +107,8 @@ class BlockData:
     examples: list[tuple[int, str, str, str]] = field(
         default_factory=list
     )  # (id, location, reason, detail)
+    # tokens of the samples the overlong policy dropped whole (samples.POLICY_DROPS), else 0
+    policy_tokens: np.ndarray | None = None  # int64 [n]
 
 
 @dataclass
@@ -317,6 +319,7 @@ def tokenize_block(
     masks: list[np.ndarray] = []
     examples: list[tuple[int, str, str, str]] = []
     policy_examples: list[tuple[int, str, str, str]] = []
+    policy_tokens = np.zeros(n, np.int64)
     for i, enc in enumerate(encoded):
         if (
             not isinstance(enc, BadRecord)
@@ -324,6 +327,7 @@ def tokenize_block(
             and enc.ids.size > spec.seq_len
             and not enc.mask[: spec.seq_len].any()
         ):
+            policy_tokens[i] = enc.ids.size
             enc = BadRecord(
                 "no_loss_after_truncate",
                 f"--overlong truncate keeps its first {spec.seq_len:,} of {enc.ids.size:,} "
@@ -341,7 +345,9 @@ def tokenize_block(
             masks.append(enc.mask)
     tokens = np.concatenate(ids) if ids else np.zeros(0, np.int32)
     mask = np.concatenate(masks) if masks else np.zeros(0, np.bool_)
-    return _block(first_id, lengths, status, tokens, mask, examples + policy_examples, t0)
+    return _block(
+        first_id, lengths, status, tokens, mask, examples + policy_examples, t0, policy_tokens
+    )
 
 
 def _loss_truncated(spec: WorkSpec, lengths: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -366,9 +372,16 @@ def _block(
     mask: np.ndarray,
     examples: list[tuple[int, str, str, str]],
     t0: float,
+    policy_tokens: np.ndarray | None = None,
 ) -> tuple[BlockMeta, BlockData]:
     data = BlockData(
-        first_id, np.concatenate(([0], np.cumsum(lengths))), tokens, mask, status, examples
+        first_id,
+        np.concatenate(([0], np.cumsum(lengths))),
+        tokens,
+        mask,
+        status,
+        examples,
+        policy_tokens if policy_tokens is not None and policy_tokens.any() else None,
     )
     meta = BlockMeta(
         first_id,
@@ -430,6 +443,7 @@ def pack_shard(
     status = np.zeros(n, np.int8)
     src = np.zeros(n, np.int64)
     lengths = np.zeros(n, np.int64)
+    policy_tokens = 0
     for b in np.unique(which).tolist():
         sel = np.flatnonzero(which == b)
         blk, loc = blocks[b], local[sel]
@@ -438,6 +452,8 @@ def pack_shard(
                 f"block {b} (ids from {blk.first_id}) lacks sample {int(ids[sel][loc.argmax()])}"
             )
         status[sel] = blk.status[loc]
+        if blk.policy_tokens is not None:
+            policy_tokens += int(blk.policy_tokens[loc].sum())
         src[sel] = blk.offsets[loc]
         lengths[sel] = blk.offsets[loc + 1] - blk.offsets[loc]
     kept = np.flatnonzero(status == 0)
@@ -454,6 +470,10 @@ def pack_shard(
     pieces = packed.pieces
     piece_start = (np.cumsum(kept_lengths) - kept_lengths)[pieces.sample] + pieces.start
     piece_sample_id = ids[kept][pieces.sample]
+    # pieces of split samples that carry no loss token train nothing: counted, and said
+    loss_before = np.concatenate(([0], np.cumsum(mask, dtype=np.int64)))
+    piece_loss = loss_before[piece_start + pieces.length] - loss_before[piece_start]
+    lossless = (piece_loss == 0) & (pieces.length < lengths[kept][pieces.sample])
     batches = (
         build_rows(
             tokens,
@@ -483,7 +503,9 @@ def pack_shard(
         "truncated_tokens": pieces.truncated_tokens,
         "split_samples": pieces.split_samples,
         "extra_pieces": pieces.extra_pieces,
-        "dropped_tokens": pieces.dropped_tokens,
+        "dropped_tokens": pieces.dropped_tokens + policy_tokens,
+        "lossless_pieces": int(lossless.sum()),
+        "lossless_piece_tokens": int(pieces.length[lossless].sum()),
         "examples": _examples_in(blocks, ids),
     }
     fs.makedirs(marker_path(root, plan.number).rsplit("/", 1)[0], exist_ok=True)

@@ -128,5 +128,16 @@ def test_truncation_that_leaves_no_loss_token_is_counted_not_fatal(
     t = m["totals"]
     assert t["dropped"] == {"no_loss_after_truncate": 1} and t["samples_kept"] == 2
     assert (t["truncated_samples"], t["truncated_tokens"], t["loss_tokens"]) == (1, 8, 3)
+    assert t["dropped_tokens"] == 24  # the dropped sample's tokens are counted too
     assert [e[1].rsplit("/", 1)[1] for e in m["skipped_examples"]] == ["ids.jsonl:line 1"]
-    assert "1 more dropped, their loss tokens all past seq_len" in capsys.readouterr().out
+    assert (
+        "1 more dropped (24 tokens), their loss tokens all past seq_len" in capsys.readouterr().out
+    )
+    # split keeps every token: the first 16 of sample 1 become a piece with no loss token
+    split = tmp_path / "split"
+    args[args.index(str(out))] = str(split)
+    assert main([*args, "--overlong", "split"]) == 0
+    t = json.loads((split / "manifest.json").read_text())["totals"]
+    assert t["dropped"] == {} and (t["split_samples"], t["extra_pieces"]) == (2, 2)
+    assert (t["lossless_pieces"], t["lossless_piece_tokens"]) == (1, 16)
+    assert "1 pieces (16 tokens) carry no loss token" in capsys.readouterr().out

@@ -241,3 +241,23 @@ def test_verify_draws_its_bar_only_on_a_terminal(dataset, monkeypatch, capsys, t
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
     assert main(["verify", url]) == 0
     assert ("verify: 100%" in capsys.readouterr().err) is tty
+
+
+def test_stats_reports_what_the_overlong_policy_did(tmp_path, capsys):
+    ids = [np.arange(1, 9, dtype=np.int32)]
+    totals = {"samples_in": 1, "samples_kept": 1, "dropped": {}}
+    url = str(tmp_path / "t")
+    _write(url, ids, CONFIG, {**totals, "truncated_samples": 1, "truncated_tokens": 1200})
+    assert main(["stats", url, "--json"]) == 0
+    o = json.loads(capsys.readouterr().out)["overlong"]
+    assert (o["policy"], o["truncated_samples"], o["truncated_tokens"]) == ("truncate", 1, 1200)
+    assert main(["stats", url]) == 0
+    assert "overlong     truncate: 1 samples cut, 1,200 tokens lost" in capsys.readouterr().out
+    url = str(tmp_path / "s")
+    split = {"split_samples": 1, "extra_pieces": 2, "lossless_pieces": 1, "lossless_piece_tokens": 1024}  # fmt: skip
+    _write(url, ids, {**CONFIG, "overlong": "split"}, {**totals, **split})
+    assert main(["stats", url]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "split: 1 samples into 2 extra pieces; 1 pieces (1,024 tokens) carry no loss token" in out
+    )

@@ -257,7 +257,7 @@ def test_truncate_drops_a_sample_it_would_leave_without_loss_tokens(tmp_path: Pa
             f"{f.url.rsplit('/', 1)[1]}:{'row' if 'parquet' in f.url else 'line'} 1"
         )
         assert "first 8 of 12 tokens" in detail and "first loss token is at 8" in detail
-        assert block.tokens.size == 14
+        assert block.tokens.size == 14 and block.policy_tokens.tolist() == [12, 0, 0]
     # the scheduler fails a job on bad records only, never on what the policy dropped
     (f, (meta, _)), _ = _both_paths(tmp_path, [*TRUNCATED_AWAY, {"input_ids": []}], spec)
     assert [e[2] for e in meta.examples] == ["empty_input_ids", "no_loss_after_truncate"]
