@@ -112,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except MissingExtraError as e:  # the core install: stats and verify only
             print(f"packshard pack: error: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C while transformers and Ray import (~1-2 s)
+            print("packshard pack: interrupted before anything started", file=sys.stderr)
+            return 130
         return pack_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
@@ -120,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FormatError, FileNotFoundError, MissingExtraError) as e:
         print(f"packshard {args.command}: {redact_text(str(e))}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"packshard {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -505,7 +505,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _scheduler_error("JobError") + USER_ERRORS as e:
         print(f"packshard pack: error: {redact_text(str(e))}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the job's own handler is installed, or after it
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
 
+
+INTERRUPTED = (
+    "packshard pack: interrupted; whatever was written is kept. Run the same command again to "
+    "finish the dataset."
+)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,9 @@ imported (together 3-14 s on a 2-core machine). The checks cost what they read:
   report, in input order. A file listed twice is packed twice, with a warning, and a directory
   or glob's files of other types are named in a warning;
 - tokenizer: `tokenizer_loading.locate_tokenizer` (a directory that does not exist, a hub name
-  that is offline and not cached, a hub that cannot be reached), without loading it.
+  that is offline and not cached, a hub that cannot be reached), without loading it; checked
+  before the inputs, so that a file whose first record (or a table whose columns) holds chats
+  fails when the tokenizer directory has no chat template (without ``--skip-bad-records``).
 
 Measured with local inputs and output on the 2-core development machine, each error arrives
 0.3-0.6 s after the command starts (an S3 endpoint that refuses connections: ~6 s of
@@ -26,7 +28,9 @@ botocore's own retries).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import posixpath
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +42,7 @@ from packshard.packers.urls import DEMO_SCHEME, redact_url
 from packshard.pipeline.inputs import InputError, InputFile, resolve_specs
 from packshard.pipeline.jobstate import OutputError, check_output
 from packshard.pipeline.readers import Peek, peek
-from packshard.pipeline.samples import BadRecord, column_problem, to_sample
+from packshard.pipeline.samples import BadRecord, Chat, column_problem, to_sample
 from packshard.pipeline.tokenizer_loading import TokenizerSource, locate_tokenizer
 
 if TYPE_CHECKING:
@@ -62,9 +66,30 @@ class Checked:
 def preflight(cfg: PackConfig) -> Checked:
     """Run every check (output, inputs, tokenizer); raises OutputError, InputError, TokenizerError."""
     fs, root = open_output(cfg)
-    files = check_inputs(cfg)
     source = locate_tokenizer(cfg.tokenizer, cfg.tokenizer_revision) if cfg.tokenizer else None
+    files = check_inputs(cfg, chat_template=has_chat_template(source))
     return Checked(fs, root, files, source)
+
+
+def has_chat_template(source: TokenizerSource | None) -> bool | None:
+    """Whether the tokenizer has a chat template, from its files (None: not known before it
+    loads, or no tokenizer, which the job reports per record)."""
+    if source is None:
+        return None
+    if source.source == "builtin":
+        return True
+    if source.source != "directory" or source.path is None:
+        return None
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if os.path.isfile(os.path.join(source.path, name)):
+            return True
+    if os.path.isdir(os.path.join(source.path, "additional_chat_templates")):
+        return True
+    try:
+        with open(os.path.join(source.path, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None  # the tokenizer's own loading reports what is wrong with it
 
 
 def open_output(cfg: PackConfig) -> tuple[Any, str]:
@@ -99,13 +124,13 @@ def _check_output_outside_inputs(cfg: PackConfig, fs: Any, root: str) -> None:
             )
 
 
-def check_inputs(cfg: PackConfig) -> list[InputFile]:
+def check_inputs(cfg: PackConfig, *, chat_template: bool | None = None) -> list[InputFile]:
     """Every input file, in order, after the per-spec checks of the module docstring. A file
     listed more than once (the same path given twice, overlapping globs) is packed as often
     as it is listed, with a warning."""
     per_spec = resolve_specs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
     for spec, files in zip(cfg.inputs, per_spec, strict=True):
-        _check_spec(cfg, spec, files)
+        _check_spec(cfg, spec, files, chat_template)
     files = [f for found in per_spec for f in found]
     for url, n in Counter(f.url for f in files).items():
         if n > 1:
@@ -116,7 +141,9 @@ def check_inputs(cfg: PackConfig) -> list[InputFile]:
     return files
 
 
-def _check_spec(cfg: PackConfig, spec: str, files: list[InputFile]) -> None:
+def _check_spec(
+    cfg: PackConfig, spec: str, files: list[InputFile], chat_template: bool | None
+) -> None:
     if all("://" not in f.url and f.size == 0 for f in files):
         raise InputError(
             f"input {spec!r} is empty ({'0 bytes' if len(files) == 1 else f'{len(files)} files of 0 bytes'})"
@@ -130,7 +157,7 @@ def _check_spec(cfg: PackConfig, spec: str, files: list[InputFile]) -> None:
             + ("" if len(files) == 1 else f" (none of its {len(files)} files)")
         )
     for f, look in zip(files, looks, strict=True):
-        _check_peek(cfg, f, look)
+        _check_peek(cfg, f, look, chat_template)
 
 
 def _peek_all(files: list[InputFile], storage_options: Any) -> list[Peek]:
@@ -144,19 +171,39 @@ def _peek_all(files: list[InputFile], storage_options: Any) -> list[Peek]:
         return [future.result() for future in futures]
 
 
-def _check_peek(cfg: PackConfig, f: InputFile, look: Peek) -> None:
+def _check_peek(cfg: PackConfig, f: InputFile, look: Peek, chat_template: bool | None) -> None:
     """A file's columns fit the column mapping; without --skip-bad-records, its first record
-    holds a sample's fields."""
+    holds a sample's fields, and is no chat when the tokenizer has no chat template."""
+    no_template = (
+        f"the tokenizer {cfg.tokenizer!r} has no chat template, and chats need one: give a "
+        "tokenizer that has one (an instruct model's), or --skip-bad-records to leave the chats out"
+    )
     if look.columns is not None:
         problem = column_problem(look.columns, kind=cfg.kind, columns=cfg.columns)
         if problem is not None:
             raise InputError(f"input {f.display}: {problem}")
+        messages = cfg.columns.get("messages", "messages")
+        if (
+            chat_template is False
+            and not cfg.skip_bad_records
+            and cfg.kind in ("auto", "messages")
+            and messages in look.columns
+        ):
+            raise InputError(f"input {f.display} holds chats (column {messages!r}); {no_template}")
     elif look.first is not None and not cfg.skip_bad_records:
         location, record = look.first
         if isinstance(record, BadRecord):
             return  # a malformed line: the job reports the first bad record in input order
         try:
-            to_sample(record, kind=cfg.kind, columns=cfg.columns)
+            sample = to_sample(
+                record,
+                kind=cfg.kind,
+                columns=cfg.columns,
+                has_chat_template=chat_template is not False,
+            )
         except BadRecord as e:
             if e.reason == "missing_fields":
                 raise InputError(f"{location}: {e}") from None
+            return
+        if chat_template is False and isinstance(sample, Chat):
+            raise InputError(f"{location}: the record is a chat; {no_template}")

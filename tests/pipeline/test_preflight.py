@@ -86,6 +86,29 @@ def test_mistyped_tokenizer_directory(tmp_path: Path, good: Path):
     assert "qwen2.5-instruct" in err and "Repo id" not in err
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_chats_with_a_tokenizer_without_a_chat_template(tmp_path: Path, good: Path, fmt: str):
+    tok = tmp_path / "base-model"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")  # located only: preflight loads nothing
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    inp = good
+    if fmt == "parquet":
+        inp = tmp_path / "chats.parquet"
+        pq.write_table(pa.Table.from_pylist([CHAT]), inp)
+    rc, err = pack(*args(inp, tmp_path / "out", tokenizer=str(tok)))
+    assert rc == 1 and f"the tokenizer '{tok}' has no chat template, and chats need one" in err
+    assert (
+        "line 1: the record is a chat" if fmt == "jsonl" else "holds chats (column 'messages')"
+    ) in err
+    # with one (as a chat_template.jinja file, transformers 5's layout) the check passes
+    (tok / "chat_template.jinja").write_text("{{ messages }}")
+    from packshard.pipeline.preflight import has_chat_template
+    from packshard.pipeline.tokenizer_loading import locate_tokenizer
+
+    assert has_chat_template(locate_tokenizer(str(tok), None)) is True
+
+
 def test_hub_name_offline_and_not_cached(tmp_path: Path, good: Path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     rc, err = pack(*args(good, tmp_path / "out", tokenizer="Qwen/Qwen3-8B"), env=env)
@@ -373,3 +396,17 @@ def test_every_file_of_a_glob_is_peeked(tmp_path: Path):
         (blank / name).write_text("\n \n")
     with pytest.raises(InputError, match=r"holds no records \(none of its 2 files\)"):
         preflight(config_from_args(args(blank / "*.jsonl", tmp_path / "o5")))
+
+
+def test_ctrl_c_before_the_job_is_under_way_is_one_line_and_130(
+    tmp_path: Path, good: Path, monkeypatch: pytest.MonkeyPatch, capsys
+):
+    from packshard.pipeline import pack as pack_module
+    from packshard.pipeline.cli import main as cli
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt  # Ctrl-C while the tokenizer loads or Ray starts
+
+    monkeypatch.setattr(pack_module, "run", interrupted)
+    assert cli(["pack", *args(good, tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip() == pack_module.INTERRUPTED
