@@ -130,6 +130,10 @@ def parse_columns(specs: Sequence[str] | None) -> dict[str, str]:
                     f"--columns: {key!r} is not a field packshard reads; "
                     f"choose from {list(CANONICAL_FIELDS)}"
                 )
+            if mapping.get(key, value) != value:
+                raise ValueError(
+                    f"--columns maps {key!r} twice ({mapping[key]!r} and {value!r}); give it once"
+                )
             mapping[key] = value
     return mapping
 
@@ -156,9 +160,20 @@ def detect_kind(has: Callable[[str], bool]) -> Kind | None:
 
 
 def _wanted(columns: Mapping[str, str]) -> str:
-    return ", ".join(
-        columns.get(f, f) for f in ("messages", "prompt", "completion", "input_ids", "text")
-    )
+    names = [columns.get(f, f) for f in ("messages", "prompt", "completion", "input_ids", "text")]
+    return ", ".join(dict.fromkeys(names))
+
+
+def _nested_hint(names: Collection[str], columns: Mapping[str, str]) -> str:
+    """A hint when a --columns value is a dotted path into a struct column that exists."""
+    for value in columns.values():
+        head = value.split(".", 1)[0]
+        if "." in value and value not in names and head in names:
+            return (
+                f" ({value!r} is a field inside column {head!r}: packshard reads top-level "
+                "columns only; flatten it first, e.g. datasets' Dataset.flatten())"
+            )
+    return ""
 
 
 def column_problem(
@@ -184,6 +199,7 @@ def column_problem(
     return (
         f"its columns are {sorted(present)[:20]}, and packshard reads {wanted}; map yours with "
         "--columns (e.g. --columns prompt=question,completion=answer)"
+        + _nested_hint(present, columns)
     )
 
 
@@ -210,10 +226,13 @@ def to_sample(
     def missing(fields: Sequence[str]) -> BadRecord:
         """The error for required fields that are absent, or present but null."""
         names = [columns.get(f, f) for f in fields if not has(f)]
-        return BadRecord(
-            "missing_fields",
-            "; ".join(f"{n!r} is null" if n in record else f"no {n!r} field" for n in names),
-        )
+        detail = "; ".join(f"{n!r} is null" if n in record else f"no {n!r} field" for n in names)
+        if any(n not in record for n in names):
+            detail += (
+                f" (the record has {sorted(record)[:12]}; map yours with --columns)"
+                + _nested_hint(list(record), columns)
+            )
+        return BadRecord("missing_fields", detail)
 
     if kind == "auto":
         detected = detect_kind(has)
@@ -221,10 +240,15 @@ def to_sample(
             for needed in KIND_FIELDS.values():  # a kind whose columns are all there, some null
                 if all(columns.get(f, f) in record for f in needed):
                     raise missing(needed)
+            for needed in KIND_FIELDS.values():  # a kind the mapping names, partly present
+                mapped = any(f in columns for f in needed)
+                if mapped and any(columns.get(f, f) in record for f in needed):
+                    raise missing(needed)
             raise BadRecord(
                 "missing_fields",
                 f"no sample fields: expected one of [{_wanted(columns)}], the record has "
-                f"{sorted(record)[:12]}; map yours with --columns (e.g. --columns prompt=question,completion=answer)",
+                f"{sorted(record)[:12]}; map yours with --columns (e.g. --columns prompt=question,completion=answer)"
+                + _nested_hint(list(record), columns),
             )
         kind = detected
     if kind not in KIND_FIELDS:

@@ -58,8 +58,30 @@ def test_column_mapping_serves_a_mix_of_datasets():
     [
         ({"question": None, "answer": "4"}, "auto", "'question' is null"),
         ({"question": "2+2?", "answer": None}, "auto", "'answer' is null"),
-        ({"question": "2+2?"}, "prompt_completion", "no 'answer' field"),
-        ({"question": None}, "prompt_completion", "'question' is null; no 'answer' field"),
+        (
+            {"question": "2+2?"},
+            "prompt_completion",
+            "no 'answer' field (the record has ['question']; map yours with --columns)",
+        ),
+        (
+            {"question": None},
+            "prompt_completion",
+            "'question' is null; no 'answer' field (the record has ['question']; map yours with --columns)",
+        ),
+        (  # one side of the mapping wrong: named, not "no sample fields"
+            {"question": "2+2?", "answer": "4"},
+            "auto",
+            "no 'nope' field (the record has ['answer', 'question']; map yours with --columns)",
+        ),
+        (
+            {"conv": {"messages": []}},
+            "auto",
+            "no sample fields: expected one of [conv.messages, prompt, completion, input_ids, "
+            "text], the record has ['conv']; map yours with --columns (e.g. --columns "
+            "prompt=question,completion=answer) ('conv.messages' is a field inside column 'conv': "
+            "packshard reads top-level columns only; flatten it first, e.g. datasets' "
+            "Dataset.flatten())",
+        ),
         ({"body": None}, "auto", "'body' is null"),
         ({"body": None}, "text", "'body' is null"),
         ({"messages": None}, "auto", "'messages' is null"),
@@ -69,6 +91,10 @@ def test_column_mapping_serves_a_mix_of_datasets():
 )
 def test_a_null_field_is_named_rather_than_blamed_on_the_column_mapping(record, kind, detail):
     cols = parse_columns(["prompt=question,completion=answer,text=body"])
+    if "nope" in detail:
+        cols["completion"] = "nope"
+    if "conv" in record:
+        cols = {"messages": "conv.messages"}
     with pytest.raises(BadRecord) as e:
         to_sample(record, kind=kind, columns=cols)
     assert (e.value.reason, e.value.detail) == ("missing_fields", detail)
@@ -136,3 +162,9 @@ def test_messages_stored_as_json_text_are_parsed():
     assert to_sample({"conv": text}, columns={"messages": "conv"}) == to_sample(CHAT)
     with pytest.raises(BadRecord, match="messages is a string but not a JSON list of messages"):
         to_sample({"messages": "[{"})
+
+
+def test_a_column_mapped_twice_is_refused():
+    assert parse_columns(["text=body", "text=body"]) == {"text": "body"}
+    with pytest.raises(ValueError, match="--columns maps 'text' twice \\('body' and 'doc'\\)"):
+        parse_columns(["text=body,text=doc"])
