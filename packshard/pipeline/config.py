@@ -133,6 +133,18 @@ class PackConfig:
     def window_tokens(self) -> int:
         return self.window_rows * self.seq_len
 
+    def warnings(self) -> list[str]:
+        """Settings that are valid but not what they seem to ask for (the job logs them)."""
+        out = []
+        if self.shard_tokens < self.window_tokens:
+            out.append(
+                f"--shard-tokens {self.shard_tokens:,} is below one packing window (--window "
+                f"{self.window_rows} rows x --seq-len {self.seq_len:,} = {self.window_tokens:,} "
+                "tokens): each shard holds one window, and no row is carried across shards, so "
+                "every shard ends with a partly filled row"
+            )
+        return out
+
     def dataset_config(
         self,
         *,

@@ -492,6 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"packshard pack: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
+    for warning in cfg.warnings():
+        log.warning("%s", warning)
     try:
         return run(cfg)
     except _scheduler_error("Interrupted") as e:

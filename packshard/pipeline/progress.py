@@ -51,7 +51,6 @@ class JobProgress:
         self.tokens = 0
         self.rows = 0
         self.shards_written = 0
-        self.shards_planned = kept_shards
         self.kept_shards = kept_shards
         self.bad: dict[str, int] = {}
         self.bad_examples: list[tuple[Any, ...]] = []
@@ -103,9 +102,6 @@ class JobProgress:
             text += f"\n  {e[1]}: {e[2]}: {e[3]}"
         return text
 
-    def planned(self, shards: int) -> None:
-        self.shards_planned = shards
-
     def written(self, result: Any) -> None:
         self.rows += result.record.rows
         self.shards_written += 1
@@ -134,7 +130,10 @@ class JobProgress:
         )
 
     def _shards(self) -> str:
-        return f"{self.shards_written + self.kept_shards}/{self.shards_planned}"
+        """Shards done (kept from an interrupted run, or written): how many the job makes is
+        known only once every window is planned, so no "of N" that would move."""
+        done = self.shards_written + self.kept_shards
+        return f"{done:,}" + (f" ({self.kept_shards:,} kept)" if self.kept_shards else "")
 
     def refresh(self) -> None:
         if self._bar is not None:
@@ -194,7 +193,7 @@ def format_summary(
         f"  rows      {t['rows']:,} in {len(manifest['shards'])} shards ({mib:,.1f} MiB); padding {100 * t['padding_fraction']:.3f}% "
         f"(rows padded to a multiple of {cfg['pad_multiple']}, at most seq_len {cfg['seq_len']:,})",
         f"  tokens    {t['num_tokens']:,} true, {t['loss_tokens']:,} loss, {t['padded_tokens']:,} stored",
-        f"  speed     {_si(tokenized_tokens / seconds if seconds > 0 else 0)} tokens/s over the whole job ({workers} workers)",
+        f"  speed     {_si(tokenized_tokens / seconds if seconds > 0 else 0)} tokens/s over the whole job ({workers} worker{'s' if workers != 1 else ''})",
     ]
     if kept_shards:
         lines.append(

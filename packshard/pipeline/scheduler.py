@@ -434,7 +434,6 @@ class Scheduler:
                         f"replanning before kept shard {iv.last_number} gives fewer shards than before; rerun with --overwrite"
                     )
                 self.intervals.remove(iv)
-        self.progress.planned(sum(1 for _ in self.pending_pack) + len(self.results))
 
     def _submit_pack(self, plan: ShardPlan) -> None:
         if self.order is None:

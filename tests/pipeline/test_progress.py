@@ -21,7 +21,9 @@ def test_progress_line_has_total_percentage_and_eta(monkeypatch):
     now[0] = 110.0
     line = p.line()
     assert line.startswith("pack:  25.0% | samples 250/1,000 | 5.00k tok/s")
-    assert "elapsed 0:00:10 | ETA 0:00:30" in line
+    assert "| shards 0 |" in line and "elapsed 0:00:10 | ETA 0:00:30" in line
+    resumed = JobProgress(10, enabled=False, kept_shards=3)
+    assert "| shards 3 (3 kept) |" in resumed.line()
 
 
 def test_log_lines_come_after_10_s_then_every_30_s(monkeypatch, caplog):

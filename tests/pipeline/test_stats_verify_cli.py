@@ -111,6 +111,13 @@ def test_stats_text_and_plot(dataset, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_stats_refuses_a_plot_file_type_it_cannot_write(dataset, tmp_path, capsys):
+    url, _, _ = dataset
+    assert main(["stats", url, "--plot", str(tmp_path / "p.txt")]) == 2
+    out, err = capsys.readouterr()
+    assert not out and "--plot" in err and "give a file ending in one of .png, .svg" in err
+
+
 def test_stats_does_not_read_shards(dataset, tmp_path, capsys):
     url, _, _ = dataset
     for p in (tmp_path / "ds" / "shards").iterdir():  # garbage of the manifest's sizes
