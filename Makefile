@@ -5,7 +5,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The small CPU build of torch; override for a CUDA machine, e.g. make TORCH=torch==2.11.0 test
+# torch 2.13.0, installed by pip: the small CPU build where the index serves one (this CI
+# machine's does). On stock PyPI the Linux wheel is the multi-GB CUDA build; for the CPU one set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu. Override: make TORCH=torch==2.11.0
 TORCH ?= torch==2.13.0
 DEMO_OUT ?= demo_out
 STAMP := $(VENV)/.installed

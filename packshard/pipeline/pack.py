@@ -71,7 +71,8 @@ def missing_environment() -> str | None:
             ". Under `ray job submit` the job's `python` is the first on the Ray head's PATH when "
             "`ray start` ran: start the head from the environment that has packshard[pack] (its "
             "venv activated, or deploy/Dockerfile's image), or submit with --runtime-env-json "
-            '\'{"env_vars": {"PATH": "/path/to/venv/bin:${PATH}"}}\' (docs/OPERATIONS.md)'
+            '\'{"env_vars": {"PATH": "/path/to/venv/bin:${PATH}"}, "py_executable": '
+            '"/path/to/venv/bin/python"}\' (the workers need it too; docs/OPERATIONS.md)'
         )
     return message + ": pip install 'packshard[pack]'"
 

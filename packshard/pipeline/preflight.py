@@ -28,6 +28,7 @@ botocore's own retries).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -65,9 +66,15 @@ class Checked:
 
 def preflight(cfg: PackConfig) -> Checked:
     """Run every check (output, inputs, tokenizer); raises OutputError, InputError, TokenizerError."""
-    fs, root = open_output(cfg)
-    source = locate_tokenizer(cfg.tokenizer, cfg.tokenizer_revision) if cfg.tokenizer else None
-    files = check_inputs(cfg, chat_template=has_chat_template(source))
+    fs, root, created = open_output(cfg)
+    try:
+        source = locate_tokenizer(cfg.tokenizer, cfg.tokenizer_revision) if cfg.tokenizer else None
+        files = check_inputs(cfg, chat_template=has_chat_template(source))
+    except BaseException:
+        if created:  # a refused job leaves no empty OUT behind (stats would call it empty)
+            with contextlib.suppress(OSError):
+                fs.rmdir(root)
+        raise
     return Checked(fs, root, files, source)
 
 
@@ -92,15 +99,18 @@ def has_chat_template(source: TokenizerSource | None) -> bool | None:
         return None  # the tokenizer's own loading reports what is wrong with it
 
 
-def open_output(cfg: PackConfig) -> tuple[Any, str]:
-    """OUT's filesystem and path, checked (see `jobstate.check_output`)."""
+def open_output(cfg: PackConfig) -> tuple[Any, str, bool]:
+    """OUT's filesystem and path, checked (see `jobstate.check_output`), and whether the check
+    created OUT (a local directory; object stores have none)."""
     try:
         fs, root = url_to_fs(cfg.output, cfg.storage_options)
     except (ImportError, ValueError) as e:
         raise OutputError(f"output {cfg.output}: {e}") from None
     _check_output_outside_inputs(cfg, fs, root)  # before check_output creates OUT
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    existed = not local or fs.exists(root)
     check_output(fs, root, cfg.output)
-    return fs, root
+    return fs, root, not existed
 
 
 def _check_output_outside_inputs(cfg: PackConfig, fs: Any, root: str) -> None:

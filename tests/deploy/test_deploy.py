@@ -139,3 +139,19 @@ def test_shm_is_memory_backed():
                     if m["mountPath"] == "/dev/shm"
                 ]
                 assert mounts, f"{path}: a group does not mount /dev/shm"
+
+
+def test_every_kuberay_container_gets_the_storage_and_hub_secrets():
+    """deploy/README.md: keys from packshard-aws (envFrom), a gated tokenizer's token from
+    packshard-hf (as HF_TOKEN), both optional, on the head and the workers of both manifests."""
+    for path in KUBERAY:
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+            groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+            for group in groups:
+                for c in group["template"]["spec"]["containers"]:
+                    refs = [e["secretRef"] for e in c.get("envFrom", [])]
+                    assert {"name": "packshard-aws", "optional": True} in refs, (path, c["name"])
+                    env = {e["name"]: e for e in c.get("env", [])}
+                    ref = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+                    assert ref == {"name": "packshard-hf", "key": "token", "optional": True}, path

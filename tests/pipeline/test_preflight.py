@@ -84,6 +84,10 @@ def test_mistyped_tokenizer_directory(tmp_path: Path, good: Path):
     rc, err = pack(*args(good, tmp_path / "out", tokenizer=typo))
     assert rc == 1 and f"tokenizer directory '{typo}' does not exist; did you mean" in err
     assert "qwen2.5-instruct" in err and "Repo id" not in err
+    assert not (tmp_path / "out").exists()  # the refused job leaves no empty output behind
+    (tmp_path / "mine").mkdir()  # ... and a directory that was there stays
+    assert pack(*args(good, tmp_path / "mine", tokenizer=typo))[0] == 1
+    assert (tmp_path / "mine").is_dir()
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
