@@ -307,7 +307,6 @@ class TemplateProfile:
     renders_tools: bool
     header: str | None = None
     guard: tuple[str, ...] = ()
-    renders_tool_calls: bool = True
 
 
 def probe_template(renderer: ChatRenderer, special_tokens: Sequence[str]) -> TemplateProfile:
@@ -351,16 +350,8 @@ def probe_template(renderer: ChatRenderer, special_tokens: Sequence[str]) -> Tem
         },
     }
     renders_tools = rendered([{"role": "user", "content": p[0]}], p[3], tools=[schema]) is not None
-    call: dict[str, Any] = {"type": "function", "function": {"name": p[3], "arguments": {}}}
-    calls: list[dict[str, Any]] = [
-        {"role": "user", "content": p[0]},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-    ]
-    renders_tool_calls = rendered(calls, p[3]) is not None
     header, guard = _assistant_header(renderer, special_tokens, p[0], terminator)
-    return TemplateProfile(
-        terminator, frozenset(roles), renders_tools, header, guard, renders_tool_calls
-    )
+    return TemplateProfile(terminator, frozenset(roles), renders_tools, header, guard)
 
 
 def _assistant_header(
@@ -420,6 +411,27 @@ class ChatMasker:
                 "template_error", f"the chat template failed: {type(e).__name__}: {e}"
             ) from None
 
+    def _check_tool_calls_render(self, msgs: list[dict[str, Any]], tools: Any, full: str) -> None:
+        """A chat whose assistant tool calls the template drops (Phi-3 renders an assistant's
+        content only) would train a tool-call turn as its content alone: the chat rendered
+        without each message's calls must differ from `full`. One more render, for chats with
+        calls only (a per-template probe misjudges templates that need a call id, string
+        arguments or the tools to choose a tool-use template)."""
+        for i, m in enumerate(msgs):
+            if not m.get("tool_calls"):
+                continue
+            without = [*msgs[:i], {k: v for k, v in m.items() if k != "tool_calls"}, *msgs[i + 1 :]]
+            try:
+                same = self.renderer.render(without, tools, False) == full
+            except TEMPLATE_ERRORS:
+                same = False  # the template needs the calls: it renders them
+            if same:
+                raise BadRecord(
+                    "tool_calls_not_in_template",
+                    f"messages[{i}] has tool_calls, which this chat template does not render "
+                    "(the turn would train on its content alone)",
+                )
+
     def loss_spans(self, chat: Chat) -> tuple[str, list[tuple[int, int]]]:
         """(F, [(start, end) character spans that carry loss])."""
         original, tools, prof = chat.messages, chat.tools, self.profile
@@ -434,16 +446,9 @@ class ChatMasker:
                 "tools_not_in_template",
                 "the record has tools, which this chat template does not render",
             )
-        if not prof.renders_tool_calls:
-            for i, m in enumerate(original):
-                if m.get("tool_calls"):
-                    raise BadRecord(
-                        "tool_calls_not_in_template",
-                        f"messages[{i}] has tool_calls, which this chat template does not render "
-                        "(the turn would train on its content alone)",
-                    )
         msgs = ChatRenderer.prepare(original)
         full = self.render(msgs, tools)
+        self._check_tool_calls_render(msgs, tools, full)
         try:
             full = self.renderer.check(original, tools, full)
         except TEMPLATE_ERRORS as e:

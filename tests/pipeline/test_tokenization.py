@@ -312,7 +312,6 @@ def test_templates_that_drop_a_role_or_tools_are_reported():
     )
     enc = SampleEncoder(no_tool)
     assert "tool" not in enc.profile.roles and not enc.profile.renders_tools
-    assert not enc.profile.renders_tool_calls
     chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     call = {"type": "function", "function": {"name": "get_w", "arguments": {"c": "x"}}}
     a, b, c = enc.encode(
@@ -331,11 +330,24 @@ def test_templates_that_drop_a_role_or_tools_are_reported():
         "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}{{ c['function']['name'] }}{% endfor %}",
     )
     enc = SampleEncoder(with_calls)
-    assert enc.profile.renders_tool_calls
     (got,) = enc.encode(
         [Chat([chat[0], {"role": "assistant", "content": "", "tool_calls": [call]}])]
     )
     assert not isinstance(got, BadRecord)
+    # ... and so does one that needs what a probe would lack: a call id (Mistral v0.3 raises
+    # without a 9-character one), string arguments (DeepSeek joins them with +)
+    strict = copy.copy(tok)
+    strict.chat_template = no_tool.chat_template.replace(
+        "{{ m['content'] }}",
+        "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}{% if c['id'] | length != 9 %}"
+        "{{ raise_exception('id') }}{% endif %}{{ c['function']['name'] + c['function']['arguments'] }}"
+        "{% endfor %}",
+    )
+    real = {"id": "abcdefghi", "type": "function", "function": {"name": "get_w", "arguments": '{"c": 1}'}}  # fmt: skip
+    (got,) = SampleEncoder(strict).encode(
+        [Chat([chat[0], {"role": "assistant", "content": "", "tool_calls": [real]}])]
+    )
+    assert not isinstance(got, BadRecord), got
 
 
 def test_tokenizer_loading_fingerprint_and_pad():
