@@ -245,23 +245,23 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
     found = sorted(fs.find(path))
     shown = {p: posixpath.relpath(p, path) for p in found}
-    splits = {
-        p: split_in_name(shown[p])
-        for p in found
-        if _format_of(p) and not posixpath.basename(p).startswith((".", "_"))
-    }
+    readable = [
+        p for p in found if _format_of(p) and not posixpath.basename(p).startswith((".", "_"))
+    ]
+    splits = {p: split_in_name(shown[p]) for p in readable}
     present = sorted({s for s in splits.values() if s is not None})
-    if not present:
-        _split_does_not_apply(spec, split, "no split in its file names")
+    # a split layout only when every data file names its split (the hub's layout): a file of
+    # other data whose name happens to hold a split word is no reason to drop the others
+    if not present or None in splits.values():
+        _split_does_not_apply(spec, split, "its file names do not all name a split")
         return _read_and_warn(fs, spec, found, shown, skip_hidden=True)
-    if split not in present:
+    wanted = SPLIT_WORDS.get(split.lower(), split)
+    if wanted not in present:
         raise InputError(
             f"input {spec!r} holds the splits {present} (by its file names), not {split!r}; "
             "pass --split"
         )
-    other = {
-        p: f"split {s}" if s else "no split in its name" for p, s in splits.items() if s != split
-    }
+    other = {p: f"split {s}" for p, s in splits.items() if s != wanted}
     return _read_and_warn(fs, spec, found, shown, skip_hidden=True, left_out=other)
 
 
@@ -282,12 +282,19 @@ def _split_does_not_apply(spec: str, split: str, why: str) -> None:
 
 
 def split_in_name(rel: str) -> str | None:
-    """The split a data file's path (relative to its directory) names: the first of its words
-    (split at "/", "-", "_", ".", spaces and digits) that is a split name, or None."""
-    for word in re.split(r"[/\-_. 0-9]+", rel.lower()):
+    """The split a data file's path (relative to its directory) names, the hub's way: a
+    directory named for it (``train/part-0.jsonl``), or a file name that is the split, alone
+    or with a shard number (``test.jsonl``, ``train-00000-of-00002.parquet``, ``val_3.jsonl``);
+    else None (``unit_test_writing.jsonl`` names none)."""
+    *dirs, name = rel.lower().split("/")
+    stem = name.split(".", 1)[0]
+    for word in (*dirs, _SHARD_SUFFIX.sub("", stem)):
         if word in SPLIT_WORDS:
             return SPLIT_WORDS[word]
     return None
+
+
+_SHARD_SUFFIX = re.compile(r"([-_]\d+)*(-of-\d+)?$")
 
 
 def _read_and_warn(

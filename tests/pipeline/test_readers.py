@@ -223,6 +223,14 @@ def test_a_directory_with_split_names_reads_one_split(tmp_path: Path, caplog):
         InputError, match=r"holds the splits \['test', 'train'\] .*not 'validation'"
     ):
         resolve_inputs([hub], split="validation")
+    assert records(hub, split="eval") == 3  # the hub's synonyms: eval, testing -> test
+    # directories of other data whose names hold a split word are read whole
+    for names in (["web", "unit_test_writing"], ["train_part1", "extra_math"], ["train", "notes"]):
+        other = tmp_path / "-".join(names)
+        other.mkdir()
+        for name in names:
+            (other / f"{name}.jsonl").write_text('{"text": "x"}\n')
+        assert records(str(other)) == 2, names
     # a file, or a directory without split names, is read whole; an explicit --split says so
     caplog.clear()
     with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
