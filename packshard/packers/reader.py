@@ -368,22 +368,35 @@ class ShardDataset:
 
     def shard_file_problems(self) -> list[str]:
         """Shards whose file is missing or not the manifest's size, from one listing per shard
-        directory (one request on object storage; no shard is opened). `verify` is the full
-        check; this is the cheap one `packshard stats` runs."""
+        directory (one request on object storage; no shard is opened). Where a directory
+        cannot be listed (an HTTP server without index pages, a key that may read but not
+        list), each of its shards is asked for its size instead; a shard the store will not
+        say anything about is not reported. `verify` is the full check; this is the cheap one
+        `packshard stats` runs."""
         sizes: dict[str, int | None] = {}
+        unlisted: set[str] = set()
         for folder in sorted({e.path.rpartition("/")[0] for e in self.shards}):
-            where = f"{self.url}/{folder}" if folder else self.url
             try:
-                with reading(where):
-                    listed = self.fs.ls(f"{self.root}/{folder}".rstrip("/"), detail=True)
-            except FormatError:  # the folder is missing: so is every shard in it
-                continue
+                listed = self.fs.ls(f"{self.root}/{folder}".rstrip("/"), detail=True)
+            except storage_errors():  # FileNotFoundError included (an OSError)
+                listed = []
+            if not listed:
+                unlisted.add(folder)
             for info in listed:
                 name = str(info["name"]).rstrip("/").rpartition("/")[2]
                 size = info.get("size")
                 sizes[f"{folder}/{name}" if folder else name] = None if size is None else int(size)
         problems = []
         for e in self.shards:
+            if e.path not in sizes and e.path.rpartition("/")[0] in unlisted:
+                try:
+                    size = self.fs.info(f"{self.root}/{e.path}").get("size")
+                except FileNotFoundError:
+                    pass
+                except storage_errors():
+                    continue  # the store says nothing: not reported
+                else:
+                    sizes[e.path] = None if size is None else int(size)
             if e.path not in sizes:
                 problems.append(f"{self.url}/{e.path}: missing (the manifest names it)")
             elif sizes[e.path] is not None and sizes[e.path] != e.bytes:

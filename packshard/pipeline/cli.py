@@ -35,19 +35,27 @@ def _open(args: argparse.Namespace) -> ShardDataset:
     return ShardDataset.open(args.url, storage_options=_storage_options(args))
 
 
-PLOT_TYPES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp")  # what matplotlib writes
+def _plot_types() -> set[str] | None:
+    """The file types matplotlib writes (None without matplotlib: plot_stats says so)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return set(Figure().canvas.get_supported_filetypes())
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from packshard.pipeline.stats import dataset_stats, format_stats, plot_stats
 
-    if args.plot and not args.plot.lower().endswith(PLOT_TYPES):
-        print(
-            f"packshard stats: error: --plot {args.plot}: give a file ending in one of "
-            f"{', '.join(PLOT_TYPES)}",
-            file=sys.stderr,
-        )
-        return 2
+    if args.plot:
+        types = _plot_types()
+        if types is not None and args.plot.rpartition(".")[2].lower() not in types:
+            print(
+                f"packshard stats: error: --plot {args.plot}: give a file ending in one of "
+                f"{', '.join('.' + t for t in sorted(types))}",
+                file=sys.stderr,
+            )
+            return 2
     ds = _open(args)
     st = dataset_stats(ds)
     print(redact_text(json.dumps(st, indent=2) if args.json else format_stats(st)))

@@ -111,11 +111,32 @@ def test_stats_text_and_plot(dataset, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_store_that_cannot_list_is_asked_per_shard(dataset, tmp_path, monkeypatch):
+    """An HTTP server without index pages, a key that may read but not list: no listing, so
+    each shard's size is asked for; nothing is called missing that is there."""
+    from packshard.packers import ShardDataset
+
+    url, _, manifest = dataset
+    ds = ShardDataset.open(url)
+
+    def no_listing(path, detail=True):
+        raise PermissionError(f"ListObjects denied: {path}")
+
+    monkeypatch.setattr(ds.fs, "ls", no_listing)
+    assert ds.shard_file_problems() == []
+    (tmp_path / "ds" / manifest["shards"][1]["path"]).unlink()
+    assert ds.shard_file_problems() == [
+        f"{url}/shards/part-00001.arrow: missing (the manifest names it)"
+    ]
+
+
 def test_stats_refuses_a_plot_file_type_it_cannot_write(dataset, tmp_path, capsys):
     url, _, _ = dataset
     assert main(["stats", url, "--plot", str(tmp_path / "p.txt")]) == 2
     out, err = capsys.readouterr()
-    assert not out and "--plot" in err and "give a file ending in one of .png, .svg" in err
+    assert not out and "--plot" in err and "give a file ending in one of " in err
+    assert ".png" in err and ".tiff" in err  # whatever matplotlib writes
+    assert main(["stats", url, "--plot", str(tmp_path / "p.tiff")]) == 0
 
 
 def test_stats_does_not_read_shards(dataset, tmp_path, capsys):
