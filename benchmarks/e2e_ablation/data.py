@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import subprocess
 import sys
@@ -211,7 +212,7 @@ def pack_in_process(
         algorithm=algorithm,  # type: ignore[arg-type]
     )
     config = {
-        "seq_len": seq_len, "cp": 8, "pad_multiple": pad_multiple, "pad_token_id": pad_token_id,
+        "seq_len": seq_len, "cp": math.gcd(8, pad_multiple), "pad_multiple": pad_multiple, "pad_token_id": pad_token_id,
         "packing": {"algorithm": algorithm, "window": len(records)}, "overlong": "truncate", "seed": 0,
         "inputs": ["e2e_ablation records"], "tokenizer": {"name": str(TOKENIZER_DIR), "fingerprint": "qwen2.5-instruct"},
     }  # fmt: skip

@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -349,7 +350,7 @@ def prepare_smoke_data(root: Path, run: RunConfig) -> None:
         )
         for sub, pm, pad_id in (("pad8", run.pad_multiple, 1), ("padseq", run.seq_len, 0)):
             batch, _ = pack_table(table, seq_len=run.seq_len, pad_multiple=pm, pad_token_id=pad_id)
-            cfg = {"seq_len": run.seq_len, "cp": 8, "pad_multiple": pm, "pad_token_id": pad_id, "packing": {"algorithm": "bfd"},
+            cfg = {"seq_len": run.seq_len, "cp": math.gcd(8, pm), "pad_multiple": pm, "pad_token_id": pad_id, "packing": {"algorithm": "bfd"},
                    "overlong": "truncate", "seed": 0, "inputs": ["smoke"], "tokenizer": {"name": "synthetic", "fingerprint": "-"}}  # fmt: skip
             w = DatasetWriter(str(root / name / sub), cfg, max_rows=16)
             w.write(batch)

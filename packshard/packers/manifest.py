@@ -135,15 +135,11 @@ def parse_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     """manifest['config'] with the fields readers rely on checked (the writer checks it too)."""
     config = _object(manifest, "config", where)
     here = f"{where}: config"
-    seq_len = _int(config, "seq_len", here, low=1)
-    multiple = _int(config, "pad_multiple", here, low=1)
+    _int(config, "seq_len", here, low=1)
+    _int(config, "pad_multiple", here, low=1)
     _int(config, "pad_token_id", here, low=None)
-    if seq_len % multiple:
-        raise FormatError(f"{here}: seq_len {seq_len} is not a multiple of pad_multiple {multiple}")
     if config.get("cp") is not None:
-        cp = _int(config, "cp", here, low=1)
-        if multiple % cp:  # rows split into cp (contiguous) or 2*cp (zigzag) equal chunks
-            raise FormatError(f"{here}: pad_multiple {multiple} is not a multiple of cp {cp}")
+        _int(config, "cp", here, low=1)
     tokenizer = config.get("tokenizer")
     if tokenizer is not None and not (
         isinstance(tokenizer, dict) and isinstance(tokenizer.get("name", ""), str | None)
@@ -152,6 +148,20 @@ def parse_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
             f"{here}: tokenizer must be an object with a string name, got {tokenizer!r}"
         )
     return config
+
+
+def shape_problems(config: dict[str, Any]) -> list[str]:
+    """Where a (parsed) config breaks the shape rules the pack job keeps: seq_len a multiple of
+    pad_multiple, pad_multiple a multiple of cp (rows split into cp or 2*cp equal chunks).
+    The writer refuses such a config and `verify` reports it; readers still open a dataset
+    written before the writer checked, since its rows read the same."""
+    seq_len, multiple, cp = config["seq_len"], config["pad_multiple"], config.get("cp")
+    out = []
+    if seq_len % multiple:
+        out.append(f"seq_len {seq_len} is not a multiple of pad_multiple {multiple}")
+    if cp is not None and multiple % cp:
+        out.append(f"pad_multiple {multiple} is not a multiple of cp {cp}")
+    return out
 
 
 def _parse_shard(s: Any, here: str) -> ShardEntry:

@@ -39,7 +39,7 @@ from packshard.packers.format import (
     HashingWriter,
     shard_name,
 )
-from packshard.packers.manifest import ShardEntry, parse_config
+from packshard.packers.manifest import ShardEntry, parse_config, shape_problems
 from packshard.packers.rows import row_index_stats
 
 log = logging.getLogger(__name__)
@@ -255,10 +255,13 @@ class DatasetWriter:
         rows_per_batch: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        try:  # the rules every reader applies: the writer never commits what they refuse
+        try:  # what readers check, and the shape rules verify reports
             parse_config({"config": dict(config)}, "config")
         except FormatError as e:
             raise ValueError(str(e)) from None
+        shape = shape_problems(dict(config))
+        if shape:
+            raise ValueError(f"config: {'; '.join(shape)}")
         if max_rows < 1 or max_bytes < 1:
             raise ValueError(f"max_rows ({max_rows}) and max_bytes ({max_bytes}) must be >= 1")
         self.fs, self.root = url_to_fs(url, storage_options)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from packshard.packers import FormatError, ShardDataset, row_index_stats, row_problems
+from packshard.packers.manifest import shape_problems
 from packshard.packers.rows import list_parts
 from packshard.packers.shard_file import batches_from_bytes
 
@@ -72,7 +73,7 @@ def verify_dataset(
         ds.index  # noqa: B018 (reads and checks index.arrow against the manifest)
     except FormatError as e:
         return [str(e)]
-    problems: list[str] = []
+    problems = [f"{ds.url}/manifest.json: config: {p}" for p in shape_problems(ds.config)]
     idx = {name: ds.index_column(name) for name in ds.index.column_names if name in INDEX_CHECKED}
     sample_chunks: list[np.ndarray] = []
     bar = _progress_bar(ds.num_rows, progress)
