@@ -47,7 +47,8 @@ def main() -> None:
             vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation=a.attn,
         ))  # fmt: skip
-    ds = PackedShardDataset(a.data, rows_per_rank=a.batch * a.accum)
+    # epochs=None: endless (reshuffled each epoch); --steps decides how long it trains
+    ds = PackedShardDataset(a.data, rows_per_rank=a.batch * a.accum, epochs=None)
     # flash-attention's varlen kernels take the document boundaries directly
     collate = functools.partial(packed_collator, varlen=a.attn.startswith("flash"))
     common = dict(

@@ -136,7 +136,8 @@ class PackConfig:
     def warnings(self) -> list[str]:
         """Settings that are valid but not what they seem to ask for (the job logs them)."""
         out = []
-        if self.shard_tokens < self.window_tokens:
+        # the default at a huge seq_len is a shard a window too, but nobody asked for it
+        if self.shard_tokens != DEFAULT_SHARD_TOKENS and self.shard_tokens < self.window_tokens:
             out.append(
                 f"--shard-tokens {self.shard_tokens:,} is below one packing window (--window "
                 f"{self.window_rows} rows x --seq-len {self.seq_len:,} = {self.window_tokens:,} "

@@ -176,7 +176,9 @@ def _inputs_diff(old: list[Any], new: list[Any]) -> list[str]:
                 if a.get(k) != b.get(k)
             )
             diffs.append(f"input {u}: changed since: {changed}")
-    if not diffs:  # the same files, listed in another order (the row order depends on it)
+    if not diffs and len(old) != len(new):  # a file listed more or fewer times
+        diffs.append(f"inputs: the same files, {len(old)} listed then, {len(new)} now")
+    elif not diffs:  # the same files, listed in another order (the row order depends on it)
         diffs.append("inputs: the same files in another order (it decides the rows' order)")
     return diffs
 

@@ -285,9 +285,12 @@ def tokenize_block(
     clean = columnar_block(
         spec, file, start, stop, encoder.vocab_size if encoder is not None else None
     )
-    if clean is not None and not _loss_truncated(spec, clean[0], clean[2]).any():
+    if clean is not None:
         lengths, tokens, mask = clean
-        return _block(first_id, lengths, np.zeros(lengths.size, np.int8), tokens, mask, [], t0)
+        away = _loss_truncated(spec, lengths, mask)
+        if not away.any():
+            return _block(first_id, lengths, np.zeros(lengths.size, np.int8), tokens, mask, [], t0)
+        return _columnar_without(spec, file, start, first_id, lengths, tokens, mask, away, t0)
     has_template = bool(encoder and encoder.has_chat_template)
     fields = source_fields(spec.columns) if spec.kind == "auto" or spec.columns else None
     locations: list[str] = []
@@ -347,6 +350,45 @@ def tokenize_block(
     mask = np.concatenate(masks) if masks else np.zeros(0, np.bool_)
     return _block(
         first_id, lengths, status, tokens, mask, examples + policy_examples, t0, policy_tokens
+    )
+
+
+def _columnar_without(
+    spec: WorkSpec,
+    file: InputFile,
+    start: int,
+    first_id: int,
+    lengths: np.ndarray,
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    away: np.ndarray,
+    t0: float,
+) -> tuple[BlockMeta, BlockData]:
+    """A clean columnar block with the samples `--overlong truncate` would leave without a
+    loss token dropped, as the per-record path drops them (same status, detail, location)."""
+    starts = np.cumsum(lengths) - lengths
+    status = np.where(away, REASONS.index("no_loss_after_truncate") + 1, 0).astype(np.int8)
+    examples = [
+        (
+            first_id + i,
+            f"{file.display}:row {start + i + 1}",
+            "no_loss_after_truncate",
+            f"--overlong truncate keeps its first {spec.seq_len:,} of {int(lengths[i]):,} tokens, "
+            f"and its first loss token is at {int(np.argmax(mask[starts[i] : starts[i] + lengths[i]])):,}",
+        )
+        for i in np.flatnonzero(away)[:MAX_EXAMPLES].tolist()
+    ]
+    keep = np.repeat(~away, lengths)
+    policy_tokens = np.where(away, lengths, 0)
+    return _block(
+        first_id,
+        np.where(away, 0, lengths),
+        status,
+        tokens[keep],
+        mask[keep],
+        examples,
+        t0,
+        policy_tokens,
     )
 
 

@@ -207,10 +207,15 @@ def test_config_diff_names_each_changed_input_file():
         "inputs: the same files in another order (it decides the rows' order)"
     ]
     assert config_diff({"inputs": [a]}, {"inputs": [a]}) == []
+    assert config_diff({"inputs": [a, b]}, {"inputs": [a, a, b]}) == [
+        "inputs: the same files, 2 listed then, 3 now"
+    ]
 
 
 def test_shards_smaller_than_a_window_are_warned_about():
     base = ["--input", "x.jsonl", "--output", "o", "--tokenizer", "t", "--seq-len", "1024", "--cp", "8"]  # fmt: skip
     assert config_from_args(base).warnings() == []
+    huge = [*base[:7], "524288", *base[8:]]  # the default shard size below one window of 512K
+    assert config_from_args(huge).warnings() == []
     (w,) = config_from_args([*base, "--shard-tokens", "1000", "--window", "4"]).warnings()
     assert w.startswith("--shard-tokens 1,000 is below one packing window (--window 4 rows x")

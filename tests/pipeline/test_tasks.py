@@ -246,8 +246,17 @@ TRUNCATED_AWAY = [
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_truncate_drops_a_sample_it_would_leave_without_loss_tokens(tmp_path: Path, skip: bool):
+def test_truncate_drops_a_sample_it_would_leave_without_loss_tokens(
+    tmp_path: Path, skip: bool, monkeypatch: pytest.MonkeyPatch
+):
     spec = _spec(tmp_path / "out", kind="input_ids", seq_len=8, skip_bad_records=skip)
+    real_read_records = tasks.read_records
+
+    def per_record(f, *a, **kw):  # the parquet stays on the columnar path
+        assert f.format != "parquet", "a clean table took the per-record path"
+        return real_read_records(f, *a, **kw)
+
+    monkeypatch.setattr(tasks, "read_records", per_record)
     code = REASONS.index("no_loss_after_truncate") + 1
     for f, (meta, block) in _both_paths(tmp_path, TRUNCATED_AWAY, spec):
         assert meta.status.tolist() == [code, 0, 0] and meta.lengths.tolist() == [0, 12, 2]
@@ -259,6 +268,7 @@ def test_truncate_drops_a_sample_it_would_leave_without_loss_tokens(tmp_path: Pa
         assert "first 8 of 12 tokens" in detail and "first loss token is at 8" in detail
         assert block.tokens.size == 14 and block.policy_tokens.tolist() == [12, 0, 0]
     # the scheduler fails a job on bad records only, never on what the policy dropped
+    monkeypatch.setattr(tasks, "read_records", real_read_records)  # a bad record: per record
     (f, (meta, _)), _ = _both_paths(tmp_path, [*TRUNCATED_AWAY, {"input_ids": []}], spec)
     assert [e[2] for e in meta.examples] == ["empty_input_ids", "no_loss_after_truncate"]
 
