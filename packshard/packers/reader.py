@@ -63,7 +63,7 @@ from packshard.packers.manifest import (
 )
 from packshard.packers.shard_file import LIST_COLUMNS, BatchArrays, LocalShard, RemoteShard, Row
 from packshard.packers.urls import dataset_url, redact_url
-from packshard.packers.writer import url_to_fs
+from packshard.packers.writer import is_local, url_to_fs
 
 BATCH_ARRAYS_KEPT = 256  # record batches kept as numpy views (local: of the map; remote: ~3%)
 WHOLE_BATCH_BYTES = 256 << 20  # remote batches read whole, kept with their tokens (see below)
@@ -82,7 +82,7 @@ class ShardDataset:
         self.parsed: Manifest = parse_manifest(manifest, f"{self.url}/{MANIFEST_NAME}")
         self.config = self.parsed.config
         self.shards: list[ShardEntry] = self.parsed.shards
-        self.local = _is_local(fs)
+        self.local = is_local(fs)
         self._files: dict[int, LocalShard | RemoteShard] = {}
         self._lock = threading.Lock()  # guards _files, _shard_locks, _arrays and _whole
         self._shard_locks: dict[int, threading.Lock] = {}
@@ -473,11 +473,6 @@ def _no_dataset(url: str, fs: fsspec.AbstractFileSystem, root: str) -> FormatErr
     return DatasetNotFoundError(
         f"{url} holds no packshard dataset (no {MANIFEST_NAME} among its {len(names)} entries)"
     )
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
 
 
 def _ids_bytes(arrays: BatchArrays) -> int:

@@ -65,6 +65,12 @@ def url_to_fs(
     return fs, path.rstrip("/") or path
 
 
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether `fs` is the local filesystem (memory-mapped reads, real directories)."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
 @dataclass(frozen=True)
 class ShardRecord(ShardEntry):
     """A written shard: its manifest entry plus the index columns of its rows."""

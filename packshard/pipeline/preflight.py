@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from packshard.packers import url_to_fs
 from packshard.packers.urls import DEMO_SCHEME, redact_url
+from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, resolve_specs
 from packshard.pipeline.jobstate import OutputError, check_output
 from packshard.pipeline.readers import Peek, peek
@@ -107,8 +108,7 @@ def open_output(cfg: PackConfig) -> tuple[Any, str, bool]:
     except (ImportError, ValueError) as e:
         raise OutputError(f"output {cfg.output}: {e}") from None
     _check_output_outside_inputs(cfg, fs, root)  # before check_output creates OUT
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    existed = not local or fs.exists(root)
+    existed = not is_local(fs) or fs.exists(root)
     check_output(fs, root, cfg.output)
     return fs, root, not existed
 

@@ -20,7 +20,7 @@ import functools
 import gzip
 import io
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packshard.packers import url_to_fs
+from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, demo_params
 from packshard.pipeline.samples import BadRecord
 
@@ -345,7 +346,7 @@ def _table_pieces(
     fields: Sequence[str] | None,
 ) -> Iterator[tuple[int, pa.Table]]:
     fs, path = url_to_fs(f.url, storage_options)
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    local = is_local(fs)
     with (
         pa.memory_map(path) if local and f.format != "parquet" else _open(f, storage_options) as fh
     ):
@@ -369,48 +370,48 @@ def table_records(table: pa.Table) -> list[dict[str, Any]]:
     datasets 5 writes for values of mixed shape: tool schemas, messages) decoded: pyarrow gives
     such values as their JSON text, which would otherwise reach the chat template as strings."""
     records = table.to_pylist()
-    json_columns = [
-        (name, t) for name, t in zip(table.column_names, table.schema.types, strict=True)
-        if _holds_json(t)
+    decoders = [
+        (name, decode) for name, t in zip(table.column_names, table.schema.types, strict=True)
+        if (decode := _json_decoder(t)) is not None
     ]  # fmt: skip
-    for rec in records if json_columns else ():
-        for name, t in json_columns:
-            rec[name] = _decode_json(rec[name], t)
+    for rec in records if decoders else ():
+        for name, decode in decoders:
+            rec[name] = decode(rec[name])
     return records
 
 
-def _holds_json(t: pa.DataType) -> bool:
+def _json_decoder(t: pa.DataType) -> Callable[[Any], Any] | None:
+    """A function decoding the ``arrow.json`` values inside a value of type `t` (as pyarrow's
+    to_pylist gives it), or None when `t` holds none: only the parts that hold JSON are walked."""
     if isinstance(t, pa.BaseExtensionType):
-        return t.extension_name == "arrow.json" or _holds_json(t.storage_type)
+        return _json_loads if t.extension_name == "arrow.json" else _json_decoder(t.storage_type)
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return _holds_json(t.value_type)
-    if pa.types.is_struct(t):
-        return any(_holds_json(t.field(i).type) for i in range(t.num_fields))
+        item = _json_decoder(t.value_type)
+        return None if item is None else lambda v: None if v is None else [item(x) for x in v]
     if pa.types.is_map(t):
-        return _holds_json(t.item_type)
-    return False
+        entry = _json_decoder(t.item_type)
+        return (
+            None
+            if entry is None
+            else lambda v: None if v is None else [(k, entry(x)) for k, x in v]
+        )
+    if pa.types.is_struct(t):
+        fields = {f.name: d for f in t if (d := _json_decoder(f.type)) is not None}
+        if not fields:
+            return None
+        return lambda v: (
+            None if v is None else {k: fields[k](x) if k in fields else x for k, x in v.items()}
+        )
+    return None
 
 
-def _decode_json(value: Any, t: pa.DataType) -> Any:
+def _json_loads(value: Any) -> Any:
     if value is None:
         return None
-    if isinstance(t, pa.BaseExtensionType):
-        if t.extension_name != "arrow.json":
-            return _decode_json(value, t.storage_type)
-        try:
-            return json.loads(value)
-        except (TypeError, ValueError):
-            return value  # not JSON after all: the sample's own checks name the field
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-        return [_decode_json(v, t.value_type) for v in value]
-    if pa.types.is_struct(t):
-        return {
-            k: _decode_json(v, t.field(k).type) if t.get_field_index(k) >= 0 else v
-            for k, v in value.items()
-        }
-    if pa.types.is_map(t):
-        return [(k, _decode_json(v, t.item_type)) for k, v in value]
-    return value
+    try:
+        return json.loads(value)
+    except (TypeError, ValueError):
+        return value  # not JSON after all: the sample's own checks name the field
 
 
 def _tables(
