@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from packshard.pipeline.samples import REASONS
-from packshard.pipeline.stats import SHOWN_EXAMPLES, skipped_lines
+from packshard.pipeline.stats import SHOWN_EXAMPLES, overlong_text, skipped_lines
 
 log = logging.getLogger("packshard.pipeline.pack")
 
@@ -170,24 +170,7 @@ def format_summary(
         f"packshard pack: committed {url} in {seconds:.1f} s",
         f"  samples   in {t['samples_in']:,}  kept {t['samples_kept']:,}  dropped {n_dropped:,} ({dropped})",
     ]
-    policy = cfg["overlong"]
-    if policy == "truncate":
-        line = f"  overlong  truncate: {t['truncated_samples']:,} samples cut, {t['truncated_tokens']:,} tokens lost"
-        if n_emptied := t["dropped"].get("no_loss_after_truncate", 0):
-            line += f"; {n_emptied:,} more dropped ({t['dropped_tokens']:,} tokens), their loss tokens all past seq_len"
-        lines.append(line)
-    elif policy == "split":
-        line = f"  overlong  split: {t['split_samples']:,} samples into {t['extra_pieces']:,} extra pieces"
-        if t.get("lossless_pieces"):
-            line += (
-                f"; {t['lossless_pieces']:,} pieces ({t['lossless_piece_tokens']:,} tokens) carry no "
-                "loss token and train nothing"
-            )
-        lines.append(line)
-    else:
-        lines.append(
-            f"  overlong  drop: {t['dropped'].get('overlong', 0):,} samples, {t['dropped_tokens']:,} tokens"
-        )
+    lines.append(f"  overlong  {overlong_text(cfg['overlong'], t)}")
     mib = sum(s["bytes"] for s in manifest["shards"]) / 2**20
     lines += [
         f"  rows      {t['rows']:,} in {len(manifest['shards'])} shards ({mib:,.1f} MiB); padding {100 * t['padding_fraction']:.3f}% "

@@ -47,6 +47,7 @@ from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
 from packshard.pipeline.samples import POLICY_DROPS
+from packshard.pipeline.stats import OVERLONG_COUNTERS
 from packshard.pipeline.tasks import (
     BlockData,
     BlockMeta,
@@ -516,32 +517,13 @@ class Scheduler:
 
 def merge_counters(results: list[ShardResult]) -> dict[str, Any]:
     """Job totals from per-shard counters (the manifest's sample totals)."""
-    totals: dict[str, Any] = {
-        "samples_in": 0,
-        "samples_kept": 0,
-        "dropped": {},
-        "truncated_samples": 0,
-        "truncated_tokens": 0,
-        "split_samples": 0,
-        "extra_pieces": 0,
-        "dropped_tokens": 0,
-        "lossless_pieces": 0,
-        "lossless_piece_tokens": 0,
-    }
+    summed = ("samples_in", "samples_kept", *OVERLONG_COUNTERS)
+    totals: dict[str, Any] = {"samples_in": 0, "samples_kept": 0, "dropped": {}}
+    totals.update(dict.fromkeys(OVERLONG_COUNTERS, 0))
     examples: list[list[Any]] = []
     for r in results:
         c = r.counters
-        for key in (
-            "samples_in",
-            "samples_kept",
-            "truncated_samples",
-            "truncated_tokens",
-            "split_samples",
-            "extra_pieces",
-            "dropped_tokens",
-            "lossless_pieces",
-            "lossless_piece_tokens",
-        ):
+        for key in summed:
             totals[key] += int(c.get(key, 0))
         for reason, n in c.get("dropped", {}).items():
             totals["dropped"][reason] = totals["dropped"].get(reason, 0) + int(n)

@@ -25,6 +25,8 @@ from packshard.packers import ShardDataset
 
 SHOWN_EXAMPLES = 5  # skipped records printed by stats and the job's summary
 MAX_EXAMPLES = 20  # skipped records the manifest keeps (scheduler.merge_counters)
+# what the overlong policy did, per shard and in the manifest's totals (pipeline.tasks counts
+# them, scheduler.merge_counters sums them, stats and the job's summary print them)
 OVERLONG_COUNTERS = (
     "truncated_samples", "truncated_tokens", "split_samples", "extra_pieces", "dropped_tokens",
     "lossless_pieces", "lossless_piece_tokens",
@@ -138,7 +140,7 @@ def format_stats(st: Mapping[str, Any]) -> str:
         f"config       seq_len {st['seq_len']:,}  cp {st['cp']}  pad_multiple {st['pad_multiple']}  tokenizer {st['tokenizer']}",
         f"shards       {st['shards']:,} ({st['bytes'] / 2**20:,.1f} MiB)",
         f"samples      in {_n(st['samples_in'])}  kept {_n(st['samples_kept'])}  dropped: {dropped}",
-        *_overlong_lines(st.get("overlong") or {}),
+        *_overlong_lines(st),
         f"rows         {st['rows']:,}  documents {st['documents']:,}  "
         f"docs/row mean {st['docs_per_row']['mean']:.2f} median {_num(st['docs_per_row']['median'])} max {st['docs_per_row']['max']}",
         f"tokens       true {st['num_tokens']:,}  padded {st['padded_tokens']:,}  loss {st['loss_tokens']:,}",
@@ -159,21 +161,31 @@ def format_stats(st: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _overlong_lines(o: Mapping[str, Any]) -> list[str]:
-    """What the overlong policy cut, split or dropped (nothing when it did nothing)."""
-    policy = o.get("policy")
-    if policy == "truncate" and o.get("truncated_samples"):
-        return [
-            f"overlong     truncate: {o['truncated_samples']:,} samples cut, {o['truncated_tokens']:,} tokens lost"
-        ]
-    if policy == "split" and o.get("split_samples"):
-        text = f"overlong     split: {o['split_samples']:,} samples into {o['extra_pieces']:,} extra pieces"
-        if o.get("lossless_pieces"):
-            text += f"; {o['lossless_pieces']:,} pieces ({o['lossless_piece_tokens']:,} tokens) carry no loss token"
-        return [text]
-    if policy == "drop" and o.get("dropped_tokens"):
-        return [f"overlong     drop: {o['dropped_tokens']:,} tokens of the dropped samples"]
-    return []
+def _overlong_lines(st: Mapping[str, Any]) -> list[str]:
+    """The overlong policy's line, when it cut, split or dropped anything."""
+    o = st.get("overlong") or {}
+    if not any(o.get(k) for k in OVERLONG_COUNTERS):
+        return []
+    return [f"overlong     {overlong_text(o.get('policy'), {**o, 'dropped': st['dropped']})}"]
+
+
+def overlong_text(policy: str | None, t: Mapping[str, Any]) -> str:
+    """What the overlong policy did, from totals-like counters (`OVERLONG_COUNTERS` and
+    `dropped`): one sentence for `stats` and the job's summary."""
+    if policy == "truncate":
+        text = f"truncate: {t['truncated_samples']:,} samples cut, {t['truncated_tokens']:,} tokens lost"
+        if emptied := t["dropped"].get("no_loss_after_truncate", 0):
+            text += f"; {emptied:,} more dropped ({t['dropped_tokens']:,} tokens), their loss tokens all past seq_len"
+        return text
+    if policy == "split":
+        text = f"split: {t['split_samples']:,} samples into {t['extra_pieces']:,} extra pieces"
+        if t.get("lossless_pieces"):
+            text += (
+                f"; {t['lossless_pieces']:,} pieces ({t['lossless_piece_tokens']:,} tokens) carry no "
+                "loss token and train nothing"
+            )
+        return text
+    return f"drop: {t['dropped'].get('overlong', 0):,} samples, {t['dropped_tokens']:,} tokens"
 
 
 def _n(x: Any) -> str:

@@ -331,11 +331,7 @@ def tokenize_block(
             and not enc.mask[: spec.seq_len].any()
         ):
             policy_tokens[i] = enc.ids.size
-            enc = BadRecord(
-                "no_loss_after_truncate",
-                f"--overlong truncate keeps its first {spec.seq_len:,} of {enc.ids.size:,} "
-                f"tokens, and its first loss token is at {int(np.argmax(enc.mask)):,}",
-            )
+            enc = _truncated_away(spec, enc.ids.size, int(np.argmax(enc.mask)))
         if isinstance(enc, BadRecord):
             status[i] = REASONS.index(enc.reason) + 1
             # bad records are listed first: the scheduler fails a job on the first of them
@@ -368,16 +364,13 @@ def _columnar_without(
     loss token dropped, as the per-record path drops them (same status, detail, location)."""
     starts = np.cumsum(lengths) - lengths
     status = np.where(away, REASONS.index("no_loss_after_truncate") + 1, 0).astype(np.int8)
-    examples = [
-        (
-            first_id + i,
-            f"{file.display}:row {start + i + 1}",
-            "no_loss_after_truncate",
-            f"--overlong truncate keeps its first {spec.seq_len:,} of {int(lengths[i]):,} tokens, "
-            f"and its first loss token is at {int(np.argmax(mask[starts[i] : starts[i] + lengths[i]])):,}",
+    examples = []
+    for i in np.flatnonzero(away)[:MAX_EXAMPLES].tolist():
+        first_loss = int(np.argmax(mask[starts[i] : starts[i] + lengths[i]]))
+        bad = _truncated_away(spec, int(lengths[i]), first_loss)
+        examples.append(
+            (first_id + i, f"{file.display}:row {start + i + 1}", bad.reason, bad.detail)
         )
-        for i in np.flatnonzero(away)[:MAX_EXAMPLES].tolist()
-    ]
     keep = np.repeat(~away, lengths)
     policy_tokens = np.where(away, lengths, 0)
     return _block(
@@ -389,6 +382,15 @@ def _columnar_without(
         examples,
         t0,
         policy_tokens,
+    )
+
+
+def _truncated_away(spec: WorkSpec, length: int, first_loss: int) -> BadRecord:
+    """The drop of a sample whose loss tokens all lie past seq_len (`_loss_truncated`)."""
+    return BadRecord(
+        "no_loss_after_truncate",
+        f"--overlong truncate keeps its first {spec.seq_len:,} of {length:,} tokens, and its "
+        f"first loss token is at {first_loss:,}",
     )
 
 
