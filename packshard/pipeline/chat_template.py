@@ -414,23 +414,23 @@ class ChatMasker:
     def _check_tool_calls_render(self, msgs: list[dict[str, Any]], tools: Any, full: str) -> None:
         """A chat whose assistant tool calls the template drops (Phi-3 renders an assistant's
         content only) would train a tool-call turn as its content alone: the chat rendered
-        without each message's calls must differ from `full`. One more render, for chats with
-        calls only (a per-template probe misjudges templates that need a call id, string
-        arguments or the tools to choose a tool-use template)."""
-        for i, m in enumerate(msgs):
-            if not m.get("tool_calls"):
-                continue
-            without = [*msgs[:i], {k: v for k, v in m.items() if k != "tool_calls"}, *msgs[i + 1 :]]
-            try:
-                same = self.renderer.render(without, tools, False) == full
-            except TEMPLATE_ERRORS:
-                same = False  # the template needs the calls: it renders them
-            if same:
-                raise BadRecord(
-                    "tool_calls_not_in_template",
-                    f"messages[{i}] has tool_calls, which this chat template does not render "
-                    "(the turn would train on its content alone)",
-                )
+        without its calls must differ from `full`. One more render, for chats with calls only
+        (a template renders every call or none; a per-template probe misjudges templates that
+        need a call id, string arguments or the tools to choose a tool-use template)."""
+        calls = [i for i, m in enumerate(msgs) if m.get("tool_calls")]
+        if not calls:
+            return
+        without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
+        try:
+            dropped = self.renderer.render(without, tools, False) == full
+        except TEMPLATE_ERRORS:
+            dropped = False  # the template needs the calls: it renders them
+        if dropped:
+            raise BadRecord(
+                "tool_calls_not_in_template",
+                f"messages[{calls[0]}] has tool_calls, which this chat template does not render "
+                "(the turn would train on its content alone)",
+            )
 
     def loss_spans(self, chat: Chat) -> tuple[str, list[tuple[int, int]]]:
         """(F, [(start, end) character spans that carry loss])."""
