@@ -17,6 +17,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from packshard.packers.urls import dataset_url, redact_url
+from packshard.trainer_shim.meter import COUNT_KEYS
 from packshard.trainer_shim.planning import Position
 from packshard.trainer_shim.stream import PackedShardStream
 from packshard.trainer_shim.topology import Topology
@@ -27,7 +28,6 @@ ITEM_KEYS = (
     "input_ids", "labels", "position_ids", "cu_seqlens", "num_tokens", "num_loss_tokens",
     "padded_len", "attn_cost", "row", "step", "micro_step", "num_micro_steps", "epoch",
 )  # fmt: skip
-COUNT_KEYS = ("num_tokens", "num_loss_tokens", "padded_len", "attn_cost", "row")
 RECORDS = 8192  # items' positions kept: far more than Trainer holds ahead of its step
 _NOT_STREAM_KWARGS = {
     "cp_rank": "the dataset yields whole rows; CP ranks get the same rows (accelerate splits them)",

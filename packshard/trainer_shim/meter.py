@@ -38,6 +38,9 @@ import torch
 
 from packshard.packers import CostModel
 
+# a row's counts the meter takes from a micro-batch (the whole row's, on every CP rank)
+COUNT_KEYS = ("num_tokens", "num_loss_tokens", "padded_len", "attn_cost", "row")
+
 
 @dataclass(frozen=True)
 class FlopsModel:
@@ -132,11 +135,7 @@ class TrainedTokenMeter:
 
     def update(self, mb: Mapping[str, Any]) -> None:
         """Count one micro-batch (its whole row: call on every CP rank, it is counted once)."""
-        missing = [
-            k
-            for k in ("num_tokens", "attn_cost", "num_loss_tokens", "padded_len", "row")
-            if k not in mb
-        ]
+        missing = [k for k in COUNT_KEYS if k not in mb]
         if missing:
             raise KeyError(
                 f"TrainedTokenMeter.update takes one micro-batch or item as the stream yields it "
