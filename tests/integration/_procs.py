@@ -67,14 +67,10 @@ def pack_env(ray_tmp: str, **extra: str) -> dict[str, str]:
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start a process in its own session (so the test can signal its whole group)."""
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout: float = 60) -> int:
@@ -93,6 +89,19 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
             raise AssertionError(f"the process exited ({proc.returncode}) before {what}")
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def ray_node_logs(tmp: str, lines: int = 15) -> str:
+    """The last lines of a node's own logs (raylet, agents) under its Ray temp dir: what a
+    failure message needs, since the temp dir is removed when the test ends."""
+    logs = Path(tmp) / "session_latest" / "logs"
+    parts = []
+    for name in ("raylet.out", "raylet.err", "dashboard_agent.log", "runtime_env_agent.log"):
+        with contextlib.suppress(OSError):
+            tail = (logs / name).read_text(errors="replace").splitlines()[-lines:]
+            if tail:
+                parts.append(f"--- {name}\n" + "\n".join(tail))
+    return "\n".join(parts) or f"(no node logs under {logs})"
 
 
 def free_port() -> int:

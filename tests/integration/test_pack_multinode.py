@@ -18,6 +18,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,6 +32,7 @@ from tests.integration._procs import (
     free_port,
     kill_processes_using,
     pack_env,
+    ray_node_logs,
     ray_port_flags,
     ray_tmpdir,
     start,
@@ -52,7 +54,16 @@ JOB_ARGS = [
 class Cluster:
     """A head and two worker nodes; `workers[name]` is (process, temp dir) of node `name`."""
 
+    # `ray start` gives a node's raylet 30 s to register with the GCS, then exits 1. On the
+    # 2-core CI machine that happened now and then to a worker node started together with the
+    # head and the other node (about 1 start in 40). Nodes start one at a time, and one that
+    # still fails is started anew with fresh ports (its agent ports are picked free here and
+    # bound later, so another process can take one meanwhile), at most this many times; each
+    # failed attempt is a warning carrying the node's own logs, which go with its temp dir.
+    NODE_ATTEMPTS = 3
+
     def __init__(self, stack: ExitStack, logs: Path) -> None:
+        self.stack = stack
         self.head_tmp = stack.enter_context(ray_tmpdir())
         self.env = pack_env(
             self.head_tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), **HEALTH
@@ -60,18 +71,35 @@ class Cluster:
         self.gcs = f"127.0.0.1:{free_port()}"
         self.logs = logs
         self.procs: list[subprocess.Popen] = []
+        self.workers: dict[str, tuple[subprocess.Popen, str]] = {}
+        # one node at a time, the head first
         self.head = self._start("head", self.head_tmp, "--head", "--port", self.gcs.split(":")[1],
                                 "--num-cpus", "0", "--include-dashboard", "false",
                                 "--ray-client-server-port", str(free_port()))  # fmt: skip
-        self.workers: dict[str, tuple[subprocess.Popen, str]] = {}
-        for name in ("a", "b"):
-            tmp = stack.enter_context(ray_tmpdir())
-            proc = self._start(name, tmp, "--address", self.gcs, "--num-cpus", "1",
-                               "--resources", json.dumps({f"packshard_node_{name}": 1}))  # fmt: skip
-            self.workers[name] = (proc, tmp)
         wait_for(lambda: self._up("head"), 120, "the Ray head", self.head)
-        for name, (proc, _) in self.workers.items():
-            wait_for(lambda n=name: self._up(n), 120, f"worker node {name}", proc)
+        for name in ("a", "b"):
+            self.workers[name] = self._start_worker(name)
+
+    def _start_worker(self, name: str) -> tuple[subprocess.Popen, str]:
+        failures = []
+        for attempt in range(1, self.NODE_ATTEMPTS + 1):
+            tmp = self.stack.enter_context(ray_tmpdir())
+            log_name = f"{name}-{attempt}"
+            proc = self._start(log_name, tmp, "--address", self.gcs, "--num-cpus", "1",
+                               "--resources", json.dumps({f"packshard_node_{name}": 1}))  # fmt: skip
+            try:
+                wait_for(lambda n=log_name: self._up(n), 120, f"worker node {name}", proc)
+                return proc, tmp
+            except AssertionError as e:
+                if proc.poll() is None:  # not the port race: still starting after 120 s
+                    raise
+                start_log = (self.logs / f"{log_name}.log").read_text(errors="replace")
+                failures.append(
+                    f"attempt {attempt}: {e}\n{start_log[-1500:]}\n{ray_node_logs(tmp)}"
+                )
+                kill_processes_using(tmp)
+                warnings.warn(f"worker node {name} did not start; {failures[-1]}", stacklevel=1)
+        raise AssertionError("\n\n".join(failures))
 
     def _start(self, name: str, tmp: str, *args: str) -> subprocess.Popen:
         cmd = [
@@ -82,9 +110,9 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def _up(self, name: str) -> bool:
+    def _up(self, log_name: str) -> bool:
         # `ray start` prints this once its node has registered with the GCS
-        return "Ray runtime started" in (self.logs / f"{name}.log").read_text(errors="replace")
+        return "Ray runtime started" in (self.logs / f"{log_name}.log").read_text(errors="replace")
 
     def running_tasks(self, name: str) -> list[str]:
         """Titles of worker processes of node `name` running a task now (`ray::pack_shard`..:
