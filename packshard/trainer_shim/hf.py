@@ -36,8 +36,9 @@ How Trainer wraps an IterableDataset, and what this module does about it (accele
 - without dispatch, accelerate wraps the dataset in ``IterableDatasetShard``, which keeps
   1/num_processes of what each rank yields: on a dataset already split by rank that would drop
   rows. `StreamStateCallback.on_train_begin` turns that wrapper into a pass-through (as Trainer
-  does for its own rank-aware sampler), and the dataset refuses to go past a first item under
-  several ranks without it.
+  does for its own rank-aware sampler); the dataset refuses to be iterated by a wrapper that
+  still re-shards. Outside a Trainer (a plain loop, a torch DataLoader) nothing wraps it, and
+  each rank iterates its own rows.
 - every iteration starts from the dataset's start position (the beginning, or the state loaded
   by the callback on resume): SFTTrainer's ``next(iter(dataset))`` peek at construction moves
   nothing. The prefetch thread makes ``dataloader_num_workers=0`` the right setting; workers
@@ -157,7 +158,6 @@ class StreamStateCallback(TrainerCallback):
                     shard.num_processes,
                 )
             shard.num_processes, shard.process_index = 1, 0
-        self.dataset._unsharded = True
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import deque
 from collections.abc import Iterator, Mapping
+from types import FrameType
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -142,7 +144,6 @@ class PackedShardDataset(IterableDataset):
         self._records: deque[tuple[int, tuple[int, ...], dict[str, int]]] = deque(maxlen=RECORDS)
         self._yielded = 0
         self._pass = 0
-        self._unsharded = False  # set by StreamStateCallback once accelerate's re-sharding is off
 
     # ---- topology -------------------------------------------------------------------------
 
@@ -220,6 +221,14 @@ class PackedShardDataset(IterableDataset):
                 "PackedShardDataset runs in a DataLoader worker: each worker would read every row. "
                 "It prefetches in its own thread; use dataloader_num_workers=0"
             )
+        shard = self._resharding_wrapper(sys._getframe(1))
+        if shard is not None:
+            raise RuntimeError(
+                f"accelerate's IterableDatasetShard would keep 1/{shard.num_processes} of the rows "
+                "of this rank, which PackedShardDataset already reads alone: add "
+                "StreamStateCallback(dataset) to the Trainer's callbacks (it makes the wrapper a "
+                "pass-through)"
+            )
         self._ensure_topology()
         self.stream.load_state_dict(self._start)
         self._pass += 1
@@ -227,15 +236,25 @@ class PackedShardDataset(IterableDataset):
         self._yielded = self._start_items
         return self._items(self._pass)
 
+    def _resharding_wrapper(self, caller: FrameType | None) -> Any:
+        """accelerate's ``IterableDatasetShard`` over this dataset, still re-sharding
+        (num_processes > 1), when it is what iterates it (Trainer without
+        `StreamStateCallback`; the wrapper's ``__iter__`` calls ours), else None. A plain loop,
+        a torch DataLoader or a wrapper the callback made a pass-through passes."""
+        for _ in range(4):  # the wrapper's generator frame is the direct caller
+            if caller is None:
+                return None
+            obj = caller.f_locals.get("self")
+            if (
+                type(obj).__name__ == "IterableDatasetShard"
+                and getattr(obj, "dataset", None) is self
+            ):
+                return obj if getattr(obj, "num_processes", 1) > 1 else None
+            caller = caller.f_back
+        return None
+
     def _items(self, pass_no: int) -> Iterator[PackedRow]:
-        for k, mb in enumerate(self.stream):
-            if k == 1 and self.topology.dp_size > 1 and not self._unsharded:
-                raise RuntimeError(
-                    f"PackedShardDataset under {self.topology.dp_size} DP ranks already splits rows by "
-                    "rank: add StreamStateCallback(dataset) to the Trainer's callbacks (it stops "
-                    "accelerate's IterableDatasetShard from keeping only 1/num_processes of them); "
-                    "outside a Trainer, iterate a PackedShardStream"
-                )
+        for mb in self.stream:
             if pass_no != self._pass:
                 raise RuntimeError(
                     "this iteration of PackedShardDataset was superseded by a new one"

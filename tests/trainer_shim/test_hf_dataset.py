@@ -4,13 +4,15 @@ code Trainer calls, with 2 processes' ranks given explicitly)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from transformers.trainer_utils import RemoveColumnsCollator
 
 from packshard.packers import ShardDataset
@@ -48,22 +50,17 @@ def test_every_pass_starts_at_the_start_so_a_peek_moves_nothing(small_dataset: P
     assert a == b and a[0] == first["row"] and ds.items_yielded == len(a)
 
 
-def test_two_dp_ranks_split_the_rows_and_need_the_callback(small_dataset: Path):
+def test_two_dp_ranks_split_the_rows_in_a_plain_loop(small_dataset: Path):
+    """Outside a Trainer (a torch DataLoader, no accelerate wrapper) each rank iterates its own
+    rows, those of a PackedShardStream of the same rank, and the ranks cover every row once."""
     n = ShardDataset.open(str(small_dataset)).num_rows
-    ranks = [
-        PackedShardDataset(str(small_dataset), dp_rank=r, dp_size=2, rows_per_rank=3)
-        for r in range(2)
-    ]
-    with pytest.raises(RuntimeError, match="StreamStateCallback"):
-        list(ranks[0])  # accelerate would keep half of this rank's rows
-    assert next(iter(ranks[0]))["row"] >= 0  # a peek is fine
     got = []
-    for ds in ranks:
-        StreamStateCallback(ds)._unshard(None, world=2)
+    for rank in range(2):
+        ds = PackedShardDataset(str(small_dataset), dp_rank=rank, dp_size=2, rows_per_rank=3)
+        batches = list(DataLoader(ds, batch_size=3, collate_fn=packed_collator))
+        assert len(batches) == ds.micro_batches_per_epoch // 3
         got.append([r for r in rows_of(ds) if r >= 0])
-        stream = PackedShardStream(
-            str(small_dataset), dp_rank=ranks.index(ds), dp_size=2, rows_per_step=6
-        )
+        stream = PackedShardStream(str(small_dataset), dp_rank=rank, dp_size=2, rows_per_step=6)
         assert got[-1] == [int(mb["row"]) for mb in stream if mb["row"] >= 0]
     assert sorted(got[0] + got[1]) == list(range(n))
 
@@ -110,6 +107,16 @@ def test_topology_follows_accelerates_mesh_order(
     assert (ds.topology.dp_rank, ds.topology.dp_size) == (1, 2)
 
 
+class PassThrough(IterableDataset):
+    """Yields a dataset's items, hiding it from the dataset's check of its caller."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.ds
+
+
 def test_accelerates_iterable_shard_is_undone_by_the_callback(small_dataset: Path):
     """accelerate's prepare_data_loader (what Trainer calls) with dispatch_batches off wraps the
     dataset in IterableDatasetShard; on a dataset split by rank it keeps half of each rank's rows
@@ -131,10 +138,15 @@ def test_accelerates_iterable_shard_is_undone_by_the_callback(small_dataset: Pat
         assert isinstance(dl.dataset, IterableDatasetShard)
         if fix:
             StreamStateCallback(ds)._unshard(dl, world=2)
+            for _ in dl:
+                pass
         else:
-            ds._unsharded = True  # let it run, to show what accelerate alone would do
-        for _ in dl:
-            pass
+            with pytest.raises(RuntimeError, match=r"1/2 of the rows.*StreamStateCallback"):
+                next(iter(dl))
+            assert seen == []  # refused before any row
+            dl.dataset.dataset = PassThrough(ds)  # what accelerate alone does with the rows
+            for _ in dl:
+                pass
         return seen
 
     for rank in range(2):
