@@ -93,7 +93,7 @@ from packshard.pipeline.jobstate import (
     remove_job_state,
     write_plan,
 )
-from packshard.pipeline.preflight import preflight
+from packshard.pipeline.preflight import check_inputs, has_chat_template, preflight
 from packshard.pipeline.progress import JobProgress, format_summary
 from packshard.pipeline.stats import dataset_stats, format_stats
 from packshard.pipeline.tokenizer_loading import (
@@ -267,8 +267,18 @@ def run(cfg: PackConfig) -> int:
         if _cluster_is_up():
             started, counter = start_ray(cfg), _start_counting(cfg, files)
             phase("joined the Ray cluster; counting the inputs and warming the workers")
-        tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
-        phase("loaded the tokenizer")
+        try:
+            tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
+            phase("loaded the tokenizer")
+            if (
+                tokenizer.encoder is not None
+                and not tokenizer.encoder.has_chat_template
+                and has_chat_template(checked.tokenizer) is None
+            ):  # a hub tokenizer's files said nothing before it loaded: look at the inputs again
+                check_inputs(cfg, chat_template=False)
+        except BaseException:
+            checked.discard_output()
+            raise
         config = cfg.dataset_config(
             tokenizer=tokenizer.info,
             pad_token_id=tokenizer.pad_token_id,

@@ -20,6 +20,8 @@ imported (together 3-14 s on a 2-core machine). The checks cost what they read:
   that is offline and not cached, a hub that cannot be reached), without loading it; checked
   before the inputs, so that a file whose first record (or a table whose columns) holds chats
   fails when the tokenizer directory has no chat template (without ``--skip-bad-records``).
+  A hub tokenizer's template is known only once it loads: the job then runs the input checks
+  again (`pack.run`), still before a local Ray starts.
 
 Measured with local inputs and output on the 2-core development machine, each error arrives
 0.3-0.6 s after the command starts (an S3 endpoint that refuses connections: ~6 s of
@@ -63,6 +65,14 @@ class Checked:
     root: str
     files: list[InputFile]
     tokenizer: TokenizerSource | None
+    created: bool = False  # the checks created OUT (an empty local directory)
+
+    def discard_output(self) -> None:
+        """Remove OUT if the checks created it and it is still empty: a refused job leaves no
+        empty OUT behind (stats would call it an empty dataset)."""
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.fs.rmdir(self.root)
 
 
 def preflight(cfg: PackConfig) -> Checked:
@@ -72,11 +82,9 @@ def preflight(cfg: PackConfig) -> Checked:
         source = locate_tokenizer(cfg.tokenizer, cfg.tokenizer_revision) if cfg.tokenizer else None
         files = check_inputs(cfg, chat_template=has_chat_template(source))
     except BaseException:
-        if created:  # a refused job leaves no empty OUT behind (stats would call it empty)
-            with contextlib.suppress(OSError):
-                fs.rmdir(root)
+        Checked(fs, root, [], None, created).discard_output()
         raise
-    return Checked(fs, root, files, source)
+    return Checked(fs, root, files, source, created)
 
 
 def has_chat_template(source: TokenizerSource | None) -> bool | None:

@@ -414,3 +414,34 @@ def test_ctrl_c_before_the_job_is_under_way_is_one_line_and_130(
     monkeypatch.setattr(pack_module, "run", interrupted)
     assert cli(["pack", *args(good, tmp_path / "out")]) == 130
     assert capsys.readouterr().err.strip() == pack_module.INTERRUPTED
+
+
+def test_chats_with_a_cached_hub_tokenizer_without_a_chat_template(tmp_path: Path, good: Path):
+    """A hub tokenizer's chat template is known only once it loads: the job looks at the inputs
+    again then, still before a local Ray starts."""
+    pytest.importorskip("transformers")
+    from packshard.pipeline.demo import demo_tokenizer
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--someone--base-model"
+    snapshot = repo / "snapshots" / sha
+    tok = demo_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(str(snapshot))
+    assert not (snapshot / "chat_template.jinja").exists()
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen2"}))  # a model repo's
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, *args(good, tmp_path / "out", tokenizer="someone/base-model"),
+         "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )  # fmt: skip
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "'ray'" not in r.stdout.rsplit("IMPORTED", 1)[-1], r.stdout  # no Ray started
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, r.stderr
+    assert "line 1: the record is a chat" in errors[0], errors[0]
+    assert "'someone/base-model' has no chat template" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()
