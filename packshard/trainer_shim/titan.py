@@ -20,8 +20,8 @@ padded to a common length), rows cost-balanced across DP ranks per step of
 row divides). Its state is the stream's (~0.5 KB, JSON): exact resume, and at a step boundary
 under another DP size (the stream re-partitions the rest of the epoch); torchtitan's own
 loaders refuse a changed DP degree. `topology_from_mesh` reads the DP rank from a
-torchtitan-style DeviceMesh (dims ``dp_replicate``, ``dp_shard``, ``cp``; or a flattened
-``batch``) for loops that build the loader themselves.
+torchtitan-style DeviceMesh (its ``batch`` or ``dp`` axis, or ``dp_replicate`` x ``dp_shard``;
+a mesh that does not say the data rank is refused) for loops that build the loader themselves.
 
 Tested against torchtitan 0.3.0 itself (tests/trainer_shim/test_titan.py): its
 `BaseDataLoader` / `Configurable` build path, `Stateful`, and the batch contract.
@@ -30,6 +30,7 @@ Tested against torchtitan 0.3.0 itself (tests/trainer_shim/test_titan.py): its
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,16 +48,55 @@ from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 STATE_KEY = "packshard_stream"
 
 
+# torchtitan 0.3's mesh axes (parallel_dims.MeshAxisName and its flattened meshes):
+DATA_AXES = ("batch", "dp")  # each alone is the data-parallel degree, dp_replicate x dp_shard
+SPLIT_DATA_AXES = ("dp_replicate", "dp_shard")  # the same, as two axes
+FOLDED_AXES = {  # axes that mix data ranks with others: the data rank cannot be read from them
+    "fsdp": "dp_shard x cp",
+    "efsdp": "dp_shard x cp x tp / ep",
+    "loss": "batch x cp",
+    "world": "every rank",
+}
+OTHER_AXES = ("pp", "cp", "tp", "ep")  # ranks of these hold the same rows
+
+
 def topology_from_mesh(mesh: Any) -> Topology:
-    """DP rank and size of this process in a torchtitan-style DeviceMesh: its ``batch`` dim if
-    flattened, else ``dp_replicate`` x ``dp_shard`` (those present); CP and TP ranks share it."""
+    """DP rank and size of this process in a torchtitan-style DeviceMesh: its ``batch`` (the
+    dataloading mesh) or ``dp`` axis, else ``dp_replicate`` x ``dp_shard`` (those present); PP,
+    CP, TP and EP ranks share it. ValueError for a mesh whose axes do not say the data rank:
+    unnamed, unknown names, or only axes that fold other ranks in (``fsdp`` = dp_shard x cp in
+    torchtitan's dense FSDP mesh): pass the dataloading mesh, ``parallel_dims.get_mesh("batch")``.
+    """
     names = tuple(mesh.mesh_dim_names or ())
-    if "batch" in names:
-        return Topology.from_device_mesh(mesh, dp_dims="batch", cp_dim=None)
-    dims = [d for d in ("dp_replicate", "dp_shard") if d in names]
-    if not dims:
+    for axis in DATA_AXES:
+        if axis in names:
+            return Topology.from_device_mesh(mesh, dp_dims=axis, cp_dim=None)
+    dims = [d for d in SPLIT_DATA_AXES if d in names]
+    folded = [d for d in names if d in FOLDED_AXES]
+    unknown = [d for d in names if d not in (*SPLIT_DATA_AXES, *FOLDED_AXES, *OTHER_AXES)]
+    if not names or unknown or folded:
+        why = (
+            "has no axis names" if not names
+            else f"has axes {names}; " + "; ".join(
+                [f"{d!r} mixes {FOLDED_AXES[d]}" for d in folded]
+                + [f"{d!r} is not a torchtitan axis" for d in unknown]
+            )
+        )  # fmt: skip
+        raise ValueError(
+            f"topology_from_mesh: the device mesh {why}, so the data-parallel rank cannot be "
+            "read from it: pass torchtitan's dataloading mesh (parallel_dims.get_mesh('batch')) "
+            "or a mesh with dp_replicate / dp_shard axes, or build a Topology(dp_rank=..., "
+            "dp_size=...) yourself"
+        )
+    if not dims:  # only pp / cp / tp / ep: one data-parallel rank
         return Topology(dp_rank=0, dp_size=1)
     return Topology.from_device_mesh(mesh, dp_dims=dims, cp_dim=None)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    return int(value)
 
 
 class PackedShardDataLoader(BaseDataLoader):
@@ -93,12 +133,15 @@ class PackedShardDataLoader(BaseDataLoader):
             raise ValueError(
                 "PackedShardDataLoader.Config: set dataset_path to the packshard dataset's URL"
             )
-        if local_batch_size < 1:
-            raise ValueError(f"local_batch_size={local_batch_size} must be >= 1")
+        local_batch_size = _positive_int("local_batch_size", local_batch_size)
         self.config = config
         self.local_batch_size = local_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        rows = config.rows_per_rank or local_batch_size
+        rows = (
+            local_batch_size
+            if config.rows_per_rank is None
+            else _positive_int("PackedShardDataLoader.Config: rows_per_rank", config.rows_per_rank)
+        )
         self.stream = PackedShardStream(
             url, dp_rank=dp_rank, dp_size=dp_world_size, rows_per_step=rows * dp_world_size,
             seed=config.seed, shuffle=config.shuffle, epochs=config.epochs, cache_dir=config.cache_dir,
@@ -139,7 +182,8 @@ class PackedShardDataLoader(BaseDataLoader):
                 f"not a PackedShardDataLoader state (keys {sorted(state_dict)}): the checkpoint was "
                 "saved with another dataloader"
             )
-        self.stream.load_state_dict(json.loads(state_dict[STATE_KEY]))
+        state = state_dict[STATE_KEY]  # JSON text as saved; a stream state dict is taken too
+        self.stream.load_state_dict(json.loads(state) if isinstance(state, str | bytes) else state)
 
     def close(self) -> None:
         self.stream.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,35 @@ def test_empty_state_is_a_fresh_start_and_foreign_state_is_refused(small_dataset
         loader.load_state_dict({"dp_rank_0": b"x", "world_size": 1})
 
 
+def test_a_state_given_as_a_dict_resumes_like_its_json(small_dataset: Path):
+    first = build(small_dataset, 0, 1)
+    it = iter(first)
+    next(it)
+    saved = first.state_dict()
+    rest = [b[1].tolist() for b in it]
+    for state in ({**saved}, {"packshard_stream": json.loads(saved["packshard_stream"])}):
+        again = build(small_dataset, 0, 1)
+        again.load_state_dict(state)
+        assert [b[1].tolist() for b in again] == rest
+
+
+@pytest.mark.parametrize(
+    "cfg, batch, named",
+    [
+        ({"rows_per_rank": 0}, 2, "rows_per_rank=0"),
+        ({"rows_per_rank": -1}, 2, "rows_per_rank=-1"),
+        ({"rows_per_rank": 2.5}, 2, "rows_per_rank=2.5"),
+        ({}, 2.0, "local_batch_size=2.0"),
+        ({}, 0, "local_batch_size=0"),
+    ],
+)
+def test_batch_and_step_sizes_are_checked_under_their_own_names(
+    small_dataset: Path, cfg: dict, batch, named: str
+):
+    with pytest.raises(ValueError, match=f"{re.escape(named)} must be an int >= 1"):
+        build(small_dataset, 0, 1, batch=batch, **cfg)
+
+
 def test_seq_len_above_torchtitans_is_refused(small_dataset: Path):
     config = PackedShardDataLoader.Config(dataset_path=str(small_dataset))
     with pytest.raises(ValueError, match=r"re-pack with --seq-len 256 or raise training\.seq_len"):
@@ -152,3 +182,22 @@ def test_topology_from_a_torchtitan_mesh():
     flat = topology_from_mesh(FakeMesh({"batch": (6, 5), "cp": (2, 0)}))
     assert (flat.dp_rank, flat.dp_size, flat.cp_size) == (5, 6, 1)
     assert topology_from_mesh(FakeMesh({"cp": (2, 1)})).dp_size == 1
+    # torchtitan 0.3's spmd_types dense mesh names the data axis "dp"
+    spmd = topology_from_mesh(FakeMesh({"pp": (1, 0), "dp": (8, 5), "cp": (2, 1), "tp": (2, 0)}))
+    assert (spmd.dp_rank, spmd.dp_size) == (5, 8)
+
+
+@pytest.mark.parametrize(
+    "dims, why",
+    [
+        # torchtitan's legacy dense FSDP mesh: "fsdp" is dp_shard x cp
+        ({"pp": (1, 0), "dp_replicate": (2, 1), "fsdp": (4, 3), "tp": (2, 0)}, "'fsdp' mixes"),
+        ({"fsdp": (8, 5)}, "'fsdp' mixes dp_shard x cp"),
+        ({"dp_replicate": (2, 1), "efsdp": (4, 3), "ep": (2, 0)}, "'efsdp' mixes"),
+        ({"data": (4, 1)}, "'data' is not a torchtitan axis"),
+        ({}, "has no axis names"),
+    ],
+)
+def test_a_mesh_that_does_not_say_the_data_rank_is_refused(dims, why):
+    with pytest.raises(ValueError, match=f"{re.escape(why)}.*get_mesh"):
+        topology_from_mesh(FakeMesh(dims))
