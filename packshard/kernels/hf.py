@@ -42,11 +42,14 @@ default, past + arange(S), is one document; the shim's padding at a row's end is
 Documents are isolated even where the model's mask does not isolate them (with a cache, or a
 2D attention mask, transformers builds a plain causal mask over the packed row): the attention
 sees only selected keys. Other position ids
-raise ValueError naming the first bad token, and so does an attention mask hiding a document's
-first key from a query that sees itself (left padding: put position 0 on the first real token).
-Right padding needs nothing: padding comes after the real tokens, so no real query sees it.
-The ranges are computed once per forward, not per layer (every layer gets the same position
-ids and mask objects): the position ids' host copy and the mask check are two syncs a forward.
+raise ValueError naming the first bad token, and so does an attention mask hiding any key of a
+document from a query of it that sees itself (left padding: put position 0 on the first real
+token; a mask with holes inside a document cannot be followed, as selection works on whole
+ranges). Right padding needs nothing: padding comes after the real tokens, so no real query
+sees it. The ranges are computed once per forward, not per layer (every layer gets the same
+position ids and mask objects): the position ids' host copy and the mask check (one pass over
+the mask) are two syncs a forward. Under `torch.inference_mode` they are computed per layer:
+inference tensors have no version counter to show that a reused buffer changed.
 The replacement is not traceable by torch.compile (host-side ranges, syncs): dynamo breaks the
 graph around it. Its selections are bitwise deterministic, so a layer recomputed under
 gradient checkpointing selects the same keys.
@@ -121,6 +124,7 @@ _ATTRIBUTES = (
     "index_topk", "softmax_scale", "layer_idx",
 )  # fmt: skip
 UnusedSlots = Literal["query", "minus_one"]
+MASK_ATTENTIONS = ("eager", "sdpa")  # transformers' DSA attention scatters the indices for these
 
 
 def _family_of(module: nn.Module) -> tuple[str, DsaFamily | None]:
@@ -174,27 +178,50 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def _check_mask(mask: torch.Tensor, ks: torch.Tensor, past: int) -> None:
-    """Raise if the model's mask hides a document's first key from a query that sees itself.
+MASK_CHECK_ELEMENTS = 1 << 27  # mask entries looked at per step of `_check_mask` (bounds memory)
 
-    mask [B or 1, S, T]; ks int64 [B, S] on the mask's device. Two gathers of B*S entries and
-    one sync: the ranges are intervals, so a mask that hides their start (left padding, a
-    prefix mask) means the position ids do not describe what the model attends.
+
+def _check_mask(mask: torch.Tensor, ks: torch.Tensor, past: int) -> None:
+    """Raise if the model's mask hides, from a query that sees itself, any key of its document
+    up to the query (keys [ks, itself] by the position ids).
+
+    mask [B or 1, S, T]; ks int64 [B, S] on the mask's device. The ranges are all packshard's
+    indexer selects from, so a mask that hides part of one (left padding, a prefix mask, holes
+    inside a document) means the selection would spend top-k slots on keys the attention then
+    drops. One pass over the mask, in steps of queries, and one sync.
     """
     b, s = ks.shape
+    t = mask.shape[-1]
     m = mask.expand(b, -1, -1)
-    own = (past + torch.arange(s, device=ks.device)).expand(b, s)
-    sees_self = _allowed(m.gather(2, own.unsqueeze(-1))).squeeze(-1)
-    sees_start = _allowed(m.gather(2, ks.unsqueeze(-1))).squeeze(-1)
-    bad = sees_self & ~sees_start
-    if bool(bad.any()):
-        r, t = (int(x) for x in torch.nonzero(bad)[0])
+    keys = torch.arange(t, device=ks.device)
+    bad = torch.zeros((b, s), dtype=torch.bool, device=ks.device)
+    step = max(1, MASK_CHECK_ELEMENTS // max(1, b * t))
+    for q0 in range(0, s, step):
+        q1 = min(s, q0 + step)
+        allowed = _allowed(m[:, q0:q1])  # [B, c, T]
+        own = past + torch.arange(q0, q1, device=ks.device)  # [c]
+        sees_self = allowed.gather(2, own.expand(b, -1).unsqueeze(-1)).squeeze(-1)
+        in_range = (keys >= ks[:, q0:q1, None]) & (keys <= own[None, :, None])
+        bad[:, q0:q1] = (in_range & ~allowed).any(-1) & sees_self
+    if not bool(bad.any()):
+        return
+    r, q = (int(x) for x in torch.nonzero(bad)[0])
+    row = _allowed(m[r, q])
+    start, own_key = int(ks[r, q]), past + q
+    hidden = int(torch.nonzero(~row[start : own_key + 1])[0]) + start
+    if hidden == start:
         raise ValueError(
-            f"the attention mask hides key {int(ks[r, t])} (the first token of its document by "
-            f"the position ids) from query {t} of batch row {r}, which sees itself: packshard's "
+            f"the attention mask hides key {start} (the first token of its document by the "
+            f"position ids) from query {q} of batch row {r}, which sees itself: packshard's "
             "indexer takes documents from position ids restarting at 0 at each document; with "
             "left padding, give the first real token position 0 (right padding needs nothing)"
         )
+    raise ValueError(
+        f"the attention mask hides key {hidden}, inside the document of query {q} of batch row "
+        f"{r} (keys {start}..{own_key} by the position ids): packshard's indexer selects from "
+        "whole document ranges and cannot leave out single keys; drop the keys from the row, "
+        "or run the model's own indexer (restore())"
+    )
 
 
 @dataclass
@@ -210,10 +237,14 @@ class _Ranges:
         return key == self.key and all(r() is o for r, o in zip(self.refs, objs, strict=True))
 
 
-def _identity(x: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple]:
-    """The tensor owning x's memory and what pins down x's contents (a view's offset, version)."""
+def _identity(x: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple] | None:
+    """The tensor owning x's memory and what pins down x's contents (a view's offset, version);
+    None for an inference tensor (torch.inference_mode), which has no version counter: its
+    contents could change in place unseen, so ranges computed from it are not kept."""
     if x is None:
         return None, ()
+    if x.is_inference():
+        return None
     base = x._base if x._base is not None else x
     return base, (x.shape, x.stride(), x.storage_offset(), x._version, x.device)
 
@@ -245,7 +276,31 @@ class PackshardIndexer:
     def active(self) -> bool:
         return any(getattr(m, "_packshard_indexer", None) is self for m in self.modules.values())
 
+    def _route(self) -> None:
+        """Put this handle's forward on every module (each must be free of other handles)."""
+        for name, m in self.modules.items():
+            other = getattr(m, "_packshard_indexer", None)
+            if other is not None and other is not self:
+                raise ValueError(
+                    f"{name} is already routed by another handle (use_packshard_indexer on an "
+                    "enclosing module?); call .restore() on that handle first"
+                )
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            _check_unused_slots(model, self.unused_slots)
+        for m in self.modules.values():
+            rope = getattr(
+                sys.modules[type(m).__module__], FAMILIES[_family_of(m)[0]].rope_function
+            )
+            m.forward = functools.partial(self.forward, m, rope)
+            m._packshard_indexer = self
+        if model is not None:
+            model._packshard_indexer = self
+
     def __enter__(self) -> PackshardIndexer:
+        """The handle; a restored handle routes its model again (one handle, many blocks)."""
+        if not self.active:
+            self._route()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -261,12 +316,14 @@ class PackshardIndexer:
         """Host int32 ks, ke [B*S] of the flattened batch; computed once per forward."""
         b, s, t = shape
         past = t - s
-        pos_base, pos_meta = _identity(position_ids)
-        mask_base, mask_meta = _identity(mask)
-        key = (b, s, t, str(device), pos_meta, mask_meta)
-        objs = tuple(o for o in (pos_base, mask_base) if o is not None)
-        if self._ranges is not None and self._ranges.matches(key, objs):
-            return self._ranges.ks, self._ranges.ke
+        pos_id, mask_id = _identity(position_ids), _identity(mask)
+        key: tuple | None = None
+        objs: tuple[torch.Tensor, ...] = ()
+        if pos_id is not None and mask_id is not None:
+            key = (b, s, t, str(device), pos_id[1], mask_id[1])
+            objs = tuple(o for o in (pos_id[0], mask_id[0]) if o is not None)
+            if self._ranges is not None and self._ranges.matches(key, objs):
+                return self._ranges.ks, self._ranges.ke
         if position_ids is None:
             pos = np.broadcast_to(past + np.arange(s, dtype=np.int64), (b, s))
         else:
@@ -284,7 +341,8 @@ class PackshardIndexer:
         ke_t = torch.from_numpy((ke + offset).astype(np.int32).reshape(-1))
         if device.type == "cuda":
             ks_t, ke_t = ks_t.pin_memory(), ke_t.pin_memory()
-        self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t)
+        if key is not None:
+            self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t)
         return ks_t, ke_t
 
     @torch.no_grad()
@@ -414,16 +472,24 @@ def use_packshard_indexer(
 
     Calling it again on a routed model returns the same handle when the settings are the same
     and raises ValueError otherwise (`restore()` first). The handle is a context manager that
-    restores on exit.
+    restores on exit; entering a restored handle routes the model again. `unused_slots=
+    "minus_one"` is refused for the eager and SDPA attentions, which scatter the indices into a
+    mask (the check runs again whenever the handle routes).
     """
     if unused_slots not in ("query", "minus_one"):
         raise ValueError(f"unused_slots={unused_slots!r}: must be 'query' or 'minus_one'")
     if not isinstance(config, IndexerConfig):
         raise TypeError(f"config must be an IndexerConfig, got {type(config).__name__}")
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be True or False, got {hadamard!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"use_packshard_indexer takes the model (a torch.nn.Module), got {type(model).__name__}"
+        )
     existing = getattr(model, "_packshard_indexer", None)
     if isinstance(existing, PackshardIndexer) and existing.active:
         settings = (existing.config, existing.unused_slots, existing.hadamard)
-        if settings != (config, unused_slots, bool(hadamard)):
+        if settings != (config, unused_slots, hadamard):
             raise ValueError(
                 f"{type(model).__name__} is already routed with config={existing.config}, "
                 f"unused_slots={existing.unused_slots!r}, hadamard={existing.hadamard}; "
@@ -438,17 +504,21 @@ def use_packshard_indexer(
                     "hadamard=True needs a power-of-two head_dim; "
                     f"{name} has index_head_dim={m.head_dim}"
                 )
-    for name, m in modules.items():
-        if getattr(m, "_packshard_indexer", None) is not None:
-            raise ValueError(
-                f"{name} is already routed by another handle (use_packshard_indexer on an "
-                "enclosing module?); call .restore() on that handle first"
-            )
-    handle = PackshardIndexer(modules, config, unused_slots, bool(hadamard))
+    handle = PackshardIndexer(modules, config, unused_slots, hadamard)
     handle._model = weakref.ref(model)
-    for m in modules.values():
-        rope = getattr(sys.modules[type(m).__module__], FAMILIES[_family_of(m)[0]].rope_function)
-        m.forward = functools.partial(handle.forward, m, rope)
-        m._packshard_indexer = handle
-    model._packshard_indexer = handle
+    handle._route()
     return handle
+
+
+def _check_unused_slots(model: nn.Module, unused_slots: str) -> None:
+    """ValueError for -1 slots under an attention that scatters the indices into a mask (a
+    bare indexer module passes: its caller decides what consumes the indices)."""
+    if unused_slots != "minus_one" or _family_of(model)[1] is not None:
+        return
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl in MASK_ATTENTIONS:
+        raise ValueError(
+            "unused_slots='minus_one' is for sparse attention kernels that read -1 as no key "
+            f"(FlashMLA); this model's {impl!r} attention scatters the indices into a mask, "
+            "which takes only keys in [0, T): use unused_slots='query' (the default)"
+        )

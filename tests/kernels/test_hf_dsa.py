@@ -366,6 +366,49 @@ def test_left_padding_and_bad_position_ids_raise() -> None:
             model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 3, 7, 8, 9, 10]], device=DEVICE))
 
 
+def test_a_mask_with_a_hole_inside_a_document_raises() -> None:
+    """Selection works on whole document ranges; a 2D mask hiding keys inside one would let
+    queries spend top-k slots on keys the attention then drops."""
+    model = tiny_model("glm_moe_dsa")
+    ids = torch.randint(0, 64, (1, 10), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, 3:5] = 0
+    with use_packshard_indexer(model, config=CONFIG):
+        with pytest.raises(ValueError, match="hides key 3, inside the document of query 5"):
+            model(ids, attention_mask=mask, use_cache=False)
+        model(ids, attention_mask=torch.ones_like(ids), use_cache=False)  # no hole: fine
+
+
+def test_inference_mode_and_a_handle_entered_again() -> None:
+    model = tiny_model("glm_moe_dsa")
+    ids = torch.randint(0, 64, (1, 9), device=DEVICE)
+    handle = use_packshard_indexer(model, config=CONFIG)
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+    with torch.inference_mode():  # inference tensors have no version counter to key a cache on
+        got = model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    handle.restore()
+    for n in (1, 2):  # a restored handle routes the model again on every `with`
+        with handle:
+            assert handle.active
+            model(ids, use_cache=False)
+        assert not handle.active and handle.calls == 2 + n
+
+
+def test_arguments_that_cannot_work_are_refused() -> None:
+    model = tiny_model("glm_moe_dsa")  # SDPA: the attention scatters the indices into a mask
+    with pytest.raises(ValueError, match="'sdpa' attention scatters the indices"):
+        use_packshard_indexer(model, config=CONFIG, unused_slots="minus_one")
+    handle = use_packshard_indexer(model, config=CONFIG)  # the refusal left nothing routed
+    assert handle.active
+    handle.restore()
+    with pytest.raises(TypeError, match="hadamard must be True or False, got 'no'"):
+        use_packshard_indexer(model, hadamard="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes the model \(a torch.nn.Module\), got str"):
+        use_packshard_indexer("model")  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------------------------- the benchmark
 def test_benchmark_tiny_run_and_record(tmp_path, monkeypatch) -> None:
     data = bench.main(
