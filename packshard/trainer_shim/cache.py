@@ -22,7 +22,11 @@ of the dataset, so different datasets never share files. A file appears under it
 only after it was verified (download to a unique temporary name, then an atomic rename), so
 several ranks of one node may share a cache_dir: the worst case is a shard downloaded twice at
 once. The bound is kept per process over the files that process sees, so give each node's
-ranks a limit that sums to the disk you want to use.
+ranks a limit that sums to the disk you want to use; a rank may then evict a shard another
+rank holds. A cached copy that cannot be read (evicted by another rank, or damaged on disk
+since it was verified) is deleted and downloaded again, verified (`discard`, called by
+`reading.RowReader`); a copy of index.arrow that does not match the manifest's checksum is
+copied again when the cache opens.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 from fsspec.implementations.local import LocalFileSystem
 
 from packshard.packers import FormatError, ShardDataset
-from packshard.packers.format import new_hasher, reading, split_checksum
+from packshard.packers.format import checksum_stream, new_hasher, reading, split_checksum
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +99,26 @@ class ShardCache:
         entry = self.remote.parsed.index
         target = self.root / entry.path
         if target.exists() and (entry.bytes is None or target.stat().st_size == entry.bytes):
-            return
+            if (
+                entry.checksum is None
+                or self._file_checksum(target, entry.checksum) == entry.checksum
+            ):
+                return
+            log.warning(
+                "shard cache %s: the cached index.arrow does not match the manifest's checksum; "
+                "copying it again", self.root,
+            )  # fmt: skip
         tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex}.tmp")
         with reading(f"{self.remote.url}/{entry.path}"):
             data = self.remote.fs.cat_file(f"{self.remote.root}/{entry.path}")
         tmp.write_bytes(data)
         os.replace(tmp, target)  # the local ShardDataset checks it against the manifest on open
+
+    @staticmethod
+    def _file_checksum(path: Path, expected: str) -> str:
+        algorithm, _ = split_checksum(expected, str(path))
+        with open(path, "rb") as f:
+            return checksum_stream(f.read, algorithm)
 
     def _adopt_existing(self) -> None:
         """Count verified copies a previous run left (only verified files carry final names)."""
@@ -162,6 +180,20 @@ class ShardCache:
                         self._lru[shard] = entry.bytes
                         self.downloads += 1
                     self._cond.notify_all()
+
+    def discard(self, shard: int, why: str) -> None:
+        """Forget and delete the cached copy of `shard` (a read of it failed: `why`), once no
+        other read of this process holds it; the next lease downloads it again, verified."""
+        with self._cond:
+            while self._leases[shard]:
+                self._cond.wait(timeout=1.0)
+            self._lru.pop(shard, None)
+            self.local.close_shard(shard)
+            (self.root / self.remote.shards[shard].path).unlink(missing_ok=True)
+        log.warning(
+            "shard cache %s: the cached copy of %s could not be read (%s); downloading it again",
+            self.root, self.remote.shards[shard].path, why,
+        )  # fmt: skip
 
     def _make_room(self, shard: int, need: int) -> None:
         """Reserve `need` bytes for `shard`, evicting unleased LRU shards; while the only way

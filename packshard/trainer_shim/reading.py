@@ -5,7 +5,10 @@ the optional shard cache, every row checked against its checksum.
 them by shard (one `ShardDataset.read_rows_arrays` per shard: numpy views, no Arrow object per
 row), and reads the shards of the window on `threads` threads, which overlaps the latency of
 remote range reads or shard downloads (the reader keeps one lock per shard). With a
-`ShardCache`, each shard is leased while it is read, so eviction never removes it under a read.
+`ShardCache`, each shard is leased while it is read, so eviction never removes it under a read;
+a cached copy that fails its read (evicted by another rank sharing the cache_dir, or damaged on
+disk) is discarded and read once more from a fresh, verified download, so only a shard that is
+bad in the store itself raises.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from packshard.packers import ShardDataset
+from packshard.packers import FormatError, ShardDataset
 from packshard.trainer_shim.cache import ShardCache
 
 ROW_COLUMNS = ("input_ids", "loss_mask", "doc_lens")
@@ -63,8 +66,11 @@ class RowReader:
     def _read_shard(self, shard: int, members: np.ndarray) -> dict[int, Row]:
         local_rows = members - self._starts[shard]
         if self.cache is not None:
-            with self.cache.lease(shard) as source:
-                cols = source.read_rows_arrays(shard, local_rows, ROW_COLUMNS, verify=self.verify)
+            try:
+                cols = self._read_cached(shard, local_rows)
+            except FormatError as e:
+                self.cache.discard(shard, str(e))
+                cols = self._read_cached(shard, local_rows)
         else:
             cols = self.dataset.read_rows_arrays(shard, local_rows, ROW_COLUMNS, verify=self.verify)
         return {
@@ -73,6 +79,11 @@ class RowReader:
                 members, zip(*(cols[c] for c in ROW_COLUMNS), strict=True), strict=True
             )
         }
+
+    def _read_cached(self, shard: int, local_rows: np.ndarray) -> dict[str, list[np.ndarray]]:
+        assert self.cache is not None
+        with self.cache.lease(shard) as source:
+            return source.read_rows_arrays(shard, local_rows, ROW_COLUMNS, verify=self.verify)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -62,6 +62,8 @@ from packshard.trainer_shim.state import StreamState, check_resume
 
 log = logging.getLogger(__name__)
 
+STALL_WARN_S = 60.0  # seconds without a row before the consumer warns (then 120, 240, ...)
+
 LOCAL_WINDOW_ROWS = 64  # rows a window of a local dataset reads by default (window_rows)
 REMOTE_WINDOW_ROWS = 8  # ... of a cached remote one (a window waits for the shards it touches)
 WHOLE_BATCHES_PER_WINDOW = 4  # remote batches read whole are kept up to this many windows' bytes
@@ -391,12 +393,23 @@ class PackedShardStream:
     ) -> Iterator[dict[str, Any]]:
         superseded = "this iteration was stopped (by close(), load_state_dict or a new iter()); iterate the stream again"
         num_rows = self.dataset.num_rows
+        waited, warn_at = 0.0, STALL_WARN_S
         try:
             while True:
                 try:
                     item = q.get(timeout=0.5)
+                    waited, warn_at = 0.0, STALL_WARN_S
                 except queue.Empty:
                     item = None
+                    waited += 0.5
+                    if waited >= warn_at:
+                        warn_at *= 2
+                        log.warning(
+                            "PackedShardStream %s: no rows for %.0f s (a large shard download, "
+                            "or a store that accepts connections but does not answer: its client "
+                            "library keeps retrying)",
+                            self.url, waited,
+                        )  # fmt: skip
                 if generation != self._generation:
                     raise RuntimeError(superseded)
                 if item is None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -415,3 +418,81 @@ def test_iterating_a_finished_stream_warns(small_dataset: Path, caplog):
     with caplog.at_level("WARNING", logger="packshard.trainer_shim.stream"):
         assert list(s) == []
     assert "its 1 epoch(s) are done; this iteration yields nothing" in caplog.text
+
+
+def test_ranks_sharing_a_cache_dir_with_limits_heal_each_others_evictions(
+    small_dataset: Path, tmp_path: Path
+):
+    """Each rank keeps its own bound over one cache_dir (cache.py), so one evicts shards the
+    other counts as cached: the other's read fails, and it downloads the shard again."""
+    biggest = max(s.bytes for s in ShardDataset.open(str(small_dataset)).shards)
+    kw = dict(dp_size=2, rows_per_step=4, epochs=3)
+    expected = [collect(PackedShardStream(str(small_dataset), dp_rank=r, **kw)) for r in range(2)]
+    got: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        stream = PackedShardStream(
+            str(small_dataset), dp_rank=r, cache_dir=tmp_path / "c",
+            cache_limit_bytes=2 * biggest, read_threads=1, **kw,
+        )  # fmt: skip
+        try:
+            got[r] = collect(stream)
+        except Exception as e:  # the test reports it
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in range(2):
+        assert not isinstance(got[r], Exception), got[r]
+        assert len(got[r]) == len(expected[r]) > 0
+        assert all(same(a, b) for a, b in zip(got[r], expected[r], strict=True))
+
+
+def _flip_byte(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_cached_copies_are_fetched_again(small_dataset: Path, tmp_path: Path, caplog):
+    """A cached shard or index.arrow damaged on disk after it was verified (same size) is
+    replaced by a verified copy, instead of failing every run with advice to re-pack."""
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=48, shuffle=False)
+    expected = collect(PackedShardStream(str(small_dataset), **kw))
+    first = PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **kw)
+    collect(first)
+    assert first.cache is not None
+    (root,) = [p for p in (tmp_path / "c").iterdir() if p.is_dir()]
+    manifest = json.loads((small_dataset / "manifest.json").read_text())
+    shard = root / manifest["shards"][0]["path"]
+    ids = ShardDataset.open(str(small_dataset)).read_row(5)["input_ids"]
+    _flip_byte(shard, shard.read_bytes().find(np.asarray(ids, np.int32)[:8].tobytes()) + 9)
+    _flip_byte(root / "index.arrow", (root / "index.arrow").stat().st_size // 2)
+    with caplog.at_level("WARNING", logger="packshard.trainer_shim.cache"):
+        again = PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **kw)
+        got = collect(again)
+    assert len(got) == len(expected) and all(same(a, b) for a, b in zip(got, expected, strict=True))
+    assert "the cached index.arrow does not match the manifest's checksum" in caplog.text
+    assert "part-00000.arrow could not be read (" in caplog.text
+    assert again.cache is not None and again.cache.downloads == 1  # that shard alone
+    assert shard.read_bytes() == (small_dataset / manifest["shards"][0]["path"]).read_bytes()
+
+
+def test_a_stream_waiting_long_for_rows_says_so(small_dataset: Path, monkeypatch, caplog):
+    monkeypatch.setattr("packshard.trainer_shim.stream.STALL_WARN_S", 1.0)
+    read = RowReader.read
+
+    def slow(self, rows):
+        time.sleep(2.6)
+        return read(self, rows)
+
+    monkeypatch.setattr(RowReader, "read", slow)
+    with caplog.at_level("WARNING", logger="packshard.trainer_shim.stream"):
+        s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4)
+        next(iter(s))
+        s.close()
+    assert "no rows for 1 s" in caplog.text and "no rows for 2 s" in caplog.text
+    assert "a store that accepts connections but does not answer" in caplog.text
