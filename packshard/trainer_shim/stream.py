@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from packshard.packers import CostModel, ShardDataset
+from packshard.packers import CostModel, FormatError, ShardDataset
 from packshard.packers.urls import dataset_url, redact_url
 from packshard.trainer_shim.cache import ShardCache
 from packshard.trainer_shim.cp import (
@@ -524,9 +524,17 @@ class PackedShardStream:
                 cp_layout=c.cp_layout,
             )
         else:
-            mb = build_microbatch(
-                *data, cp_size=c.cp_size, cp_rank=c.cp_rank, cp_layout=c.cp_layout, row=row
-            )
+            try:
+                mb = build_microbatch(
+                    *data, cp_size=c.cp_size, cp_rank=c.cp_rank, cp_layout=c.cp_layout, row=row
+                )
+            except ValueError as e:  # rows read with verify=False reach here unchecked
+                shard, local = self.dataset.locate(row)
+                raise FormatError(
+                    f"{self.url}/{self.dataset.shards[shard].path}: row {local} (global row "
+                    f"{row}): {e}; run `packshard verify {self.url}` (verify=False skips the "
+                    "row checksums)"
+                ) from None
         for k in TENSOR_KEYS:
             t = torch.from_numpy(mb[k])
             mb[k] = t.pin_memory() if self._pin else t

@@ -496,3 +496,25 @@ def test_a_stream_waiting_long_for_rows_says_so(small_dataset: Path, monkeypatch
         s.close()
     assert "no rows for 1 s" in caplog.text and "no rows for 2 s" in caplog.text
     assert "a store that accepts connections but does not answer" in caplog.text
+
+
+def test_a_damaged_row_read_without_verify_is_a_format_error_naming_the_file(copy_of):
+    """verify=False skips the row checksums; a row whose documents overflow it still fails as
+    the dataset's problem, naming the shard and the row."""
+    root = copy_of()
+    ds = ShardDataset.open(str(root))
+    row = ds.read_row(5)
+    shard = root / json.loads((root / "manifest.json").read_text())["shards"][0]["path"]
+    data = bytearray(shard.read_bytes())
+    lens = np.asarray(row["doc_lens"], dtype=np.int32).tobytes()
+    at = bytes(data).find(lens)
+    assert at > 0 and bytes(data).count(lens) == 1
+    data[at + 2] ^= 0x40  # the first document's length grows by 2^22 tokens
+    shard.write_bytes(bytes(data))
+    stream = PackedShardStream(
+        str(root), dp_rank=0, dp_size=1, rows_per_step=48, shuffle=False, verify=False
+    )
+    with pytest.raises(
+        FormatError, match=r"part-00000\.arrow: row 5 \(global row 5\): documents hold"
+    ):
+        collect(stream)
