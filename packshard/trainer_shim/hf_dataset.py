@@ -100,6 +100,9 @@ def _parallel_sizes() -> tuple[int, int, int, str]:
     return sizes[0], sizes[1], sizes[2], env.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
 
 
+WRAPPER_FRAMES = 10  # callers of __iter__ looked at for an accelerate wrapper
+
+
 class PackedShardDataset(IterableDataset):
     """This rank's packed rows of a packshard dataset, one `PackedRow` per item (module
     docstring). ``rows_per_rank`` rows per rank make one planning step (cost-balanced across
@@ -221,14 +224,9 @@ class PackedShardDataset(IterableDataset):
                 "PackedShardDataset runs in a DataLoader worker: each worker would read every row. "
                 "It prefetches in its own thread; use dataloader_num_workers=0"
             )
-        shard = self._resharding_wrapper(sys._getframe(1))
-        if shard is not None:
-            raise RuntimeError(
-                f"accelerate's IterableDatasetShard would keep 1/{shard.num_processes} of the rows "
-                "of this rank, which PackedShardDataset already reads alone: add "
-                "StreamStateCallback(dataset) to the Trainer's callbacks (it makes the wrapper a "
-                "pass-through)"
-            )
+        refusal = self._wrapper_refusal(sys._getframe(1))
+        if refusal is not None:
+            raise RuntimeError(refusal)
         self._ensure_topology()
         self.stream.load_state_dict(self._start)
         self._pass += 1
@@ -236,20 +234,40 @@ class PackedShardDataset(IterableDataset):
         self._yielded = self._start_items
         return self._items(self._pass)
 
-    def _resharding_wrapper(self, caller: FrameType | None) -> Any:
-        """accelerate's ``IterableDatasetShard`` over this dataset, still re-sharding
-        (num_processes > 1), when it is what iterates it (Trainer without
-        `StreamStateCallback`; the wrapper's ``__iter__`` calls ours), else None. A plain loop,
-        a torch DataLoader or a wrapper the callback made a pass-through passes."""
-        for _ in range(4):  # the wrapper's generator frame is the direct caller
+    def _wrapper_refusal(self, caller: FrameType | None) -> str | None:
+        """Why accelerate's wrapper that is iterating this dataset would lose rows, else None.
+
+        Looked for among the callers of ``__iter__`` (a few frames: torch's fetcher sits
+        between a DataLoader and the dataset): an ``IterableDatasetShard`` that still re-shards
+        (num_processes > 1: Trainer without `StreamStateCallback`) would keep 1/num_processes
+        of this rank's rows; a ``DataLoaderDispatcher`` over several processes (accelerate's
+        default ``dispatch_batches`` for an IterableDataset) trains process 0's rows alone. A
+        plain loop, a torch DataLoader, or a wrapper the callback made a pass-through pass.
+        """
+        for _ in range(WRAPPER_FRAMES):
             if caller is None:
                 return None
             obj = caller.f_locals.get("self")
-            if (
-                type(obj).__name__ == "IterableDatasetShard"
-                and getattr(obj, "dataset", None) is self
-            ):
-                return obj if getattr(obj, "num_processes", 1) > 1 else None
+            kind = type(obj).__name__
+            if kind == "IterableDatasetShard" and getattr(obj, "dataset", None) is self:
+                n = getattr(obj, "num_processes", 1)
+                if n <= 1:
+                    return None
+                return (
+                    f"accelerate's IterableDatasetShard would keep 1/{n} of the rows of this rank, "
+                    "which PackedShardDataset already reads alone: add StreamStateCallback(dataset) "
+                    "to the Trainer's callbacks (it makes the wrapper a pass-through)"
+                )
+            if kind == "DataLoaderDispatcher" and getattr(obj, "dataset", None) is self:
+                n = getattr(getattr(obj, "state", None), "num_processes", 1)
+                if n <= 1:
+                    return None
+                return (
+                    f"accelerate dispatches batches from process 0 to all {n} processes "
+                    "(dispatch_batches, its default for an IterableDataset), so only rank 0's rows "
+                    "would be trained: pass TrainingArguments(accelerator_config="
+                    "{'dispatch_batches': False}) and add StreamStateCallback(dataset)"
+                )
             caller = caller.f_back
         return None
 

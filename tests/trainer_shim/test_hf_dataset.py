@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -190,3 +191,11 @@ def test_dispatching_batches_across_processes_is_refused_with_the_fix(small_data
     assert isinstance(dl, DataLoaderDispatcher)
     with pytest.raises(ValueError, match="dispatch_batches': False"):
         StreamStateCallback(ds)._unshard(dl, world=2)
+    # without the callback (Trainer's default dispatch): refused when the dispatcher starts
+    # iterating, on every process, before any row or collective
+    dl.state = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
+    with pytest.raises(
+        RuntimeError, match=r"only rank 0's rows would be trained.*dispatch_batches"
+    ):
+        next(iter(dl))
+    assert ds.items_yielded == 0
