@@ -21,7 +21,8 @@ row divides). Its state is the stream's (~0.5 KB, JSON): exact resume, and at a 
 under another DP size (the stream re-partitions the rest of the epoch); torchtitan's own
 loaders refuse a changed DP degree. `topology_from_mesh` reads the DP rank from a
 torchtitan-style DeviceMesh (its ``batch`` or ``dp`` axis, or ``dp_replicate`` x ``dp_shard``;
-a mesh that does not say the data rank is refused) for loops that build the loader themselves.
+a mesh that does not say the data rank, such as a submesh of part of the ranks, is refused) for
+loops that build the loader themselves.
 
 Tested against torchtitan 0.3.0 itself (tests/trainer_shim/test_titan.py): its
 `BaseDataLoader` / `Configurable` build path, `Stateful`, and the batch contract.
@@ -30,7 +31,9 @@ Tested against torchtitan 0.3.0 itself (tests/trainer_shim/test_titan.py): its
 from __future__ import annotations
 
 import json
+import math
 import numbers
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,16 +65,21 @@ OTHER_AXES = ("pp", "cp", "tp", "ep")  # ranks of these hold the same rows
 
 def topology_from_mesh(mesh: Any) -> Topology:
     """DP rank and size of this process in a torchtitan-style DeviceMesh: its ``batch`` (the
-    dataloading mesh) or ``dp`` axis, else ``dp_replicate`` x ``dp_shard`` (those present); PP,
-    CP, TP and EP ranks share it. ValueError for a mesh whose axes do not say the data rank:
-    unnamed, unknown names, or only axes that fold other ranks in (``fsdp`` = dp_shard x cp in
-    torchtitan's dense FSDP mesh): pass the dataloading mesh, ``parallel_dims.get_mesh("batch")``.
+    dataloading mesh) or ``dp`` axis, else ``dp_replicate`` x ``dp_shard``; PP, CP, TP and EP
+    ranks share it. A mesh with only one of dp_replicate / dp_shard, or no data axis, must span
+    every rank of the run (else another data axis may lie outside it). ValueError for a mesh
+    that does not say the data rank: unnamed, unknown names, axes that fold other ranks in
+    (``fsdp`` = dp_shard x cp in torchtitan's dense FSDP mesh), or a part of the run's ranks.
     """
     names = tuple(mesh.mesh_dim_names or ())
     for axis in DATA_AXES:
         if axis in names:
             return Topology.from_device_mesh(mesh, dp_dims=axis, cp_dim=None)
-    dims = [d for d in SPLIT_DATA_AXES if d in names]
+    if all(d in names for d in SPLIT_DATA_AXES):
+        return Topology.from_device_mesh(mesh, dp_dims=SPLIT_DATA_AXES, cp_dim=None)
+    size, world = _mesh_size(mesh, names), _world_size()
+    if size == world == 1:  # a one-process run: whatever the axes, one data-parallel rank
+        return Topology(dp_rank=0, dp_size=1)
     folded = [d for d in names if d in FOLDED_AXES]
     unknown = [d for d in names if d not in (*SPLIT_DATA_AXES, *FOLDED_AXES, *OTHER_AXES)]
     if not names or unknown or folded:
@@ -82,15 +90,36 @@ def topology_from_mesh(mesh: Any) -> Topology:
                 + [f"{d!r} is not a torchtitan axis" for d in unknown]
             )
         )  # fmt: skip
-        raise ValueError(
-            f"topology_from_mesh: the device mesh {why}, so the data-parallel rank cannot be "
-            "read from it: pass torchtitan's dataloading mesh (parallel_dims.get_mesh('batch')) "
-            "or a mesh with dp_replicate / dp_shard axes, or build a Topology(dp_rank=..., "
-            "dp_size=...) yourself"
+    elif size != world:
+        why = (
+            f"{names} holds {size} of the run's {world} ranks (other data axes may lie outside it)"
         )
-    if not dims:  # only pp / cp / tp / ep: one data-parallel rank
-        return Topology(dp_rank=0, dp_size=1)
-    return Topology.from_device_mesh(mesh, dp_dims=dims, cp_dim=None)
+    else:
+        dims = [d for d in SPLIT_DATA_AXES if d in names]
+        if not dims:  # only pp / cp / tp / ep over every rank: one data-parallel rank
+            return Topology(dp_rank=0, dp_size=1)
+        return Topology.from_device_mesh(mesh, dp_dims=dims, cp_dim=None)
+    raise ValueError(
+        f"topology_from_mesh: the device mesh {why}, so the data-parallel rank cannot be read "
+        "from it: pass torchtitan's batch mesh (parallel_dims.get_mesh('batch'), when data "
+        "parallelism is on) or the whole device mesh, or build Topology(dp_rank=..., dp_size=...)"
+    )
+
+
+def _mesh_size(mesh: Any, names: tuple[str, ...]) -> int:
+    """Ranks in the mesh (the product of its axes' sizes; an unnamed mesh's ``size()``)."""
+    if names:
+        return math.prod(int(mesh.size(i)) for i in range(len(names)))
+    return int(mesh.size())
+
+
+def _world_size() -> int:
+    """Ranks of the run: torch.distributed's world when it is initialised, else WORLD_SIZE."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -168,19 +168,22 @@ class FakeMesh:
         self.mesh_dim_names = tuple(dims)
         self._dims = dims
 
-    def size(self, i: int) -> int:
+    def size(self, i: int | None = None) -> int:
+        if i is None:  # DeviceMesh.size(): the whole mesh
+            return int(np.prod([n for n, _ in self._dims.values()], dtype=np.int64))
         return self._dims[self.mesh_dim_names[i]][0]
 
     def get_local_rank(self, name: str) -> int:
         return self._dims[name][1]
 
 
-def test_topology_from_a_torchtitan_mesh():
+def test_topology_from_a_torchtitan_mesh(monkeypatch):
     mesh = FakeMesh({"dp_replicate": (2, 1), "dp_shard": (4, 3), "cp": (2, 1), "tp": (2, 0)})
     topo = topology_from_mesh(mesh)
     assert (topo.dp_rank, topo.dp_size, topo.cp_size) == (1 * 4 + 3, 8, 1)
     flat = topology_from_mesh(FakeMesh({"batch": (6, 5), "cp": (2, 0)}))
     assert (flat.dp_rank, flat.dp_size, flat.cp_size) == (5, 6, 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a cp-only mesh over every rank: one DP rank
     assert topology_from_mesh(FakeMesh({"cp": (2, 1)})).dp_size == 1
     # torchtitan 0.3's spmd_types dense mesh names the data axis "dp"
     spmd = topology_from_mesh(FakeMesh({"pp": (1, 0), "dp": (8, 5), "cp": (2, 1), "tp": (2, 0)}))
@@ -198,6 +201,21 @@ def test_topology_from_a_torchtitan_mesh():
         ({}, "has no axis names"),
     ],
 )
-def test_a_mesh_that_does_not_say_the_data_rank_is_refused(dims, why):
+def test_a_mesh_that_does_not_say_the_data_rank_is_refused(dims, why, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")  # even a mesh over every rank: its axes do not say it
     with pytest.raises(ValueError, match=f"{re.escape(why)}.*get_mesh"):
         topology_from_mesh(FakeMesh(dims))
+
+
+def test_a_submesh_of_part_of_the_ranks_is_refused(monkeypatch):
+    """torchtitan's get_mesh('dp_shard') or get_mesh('cp') of a 16-rank run: other data axes
+    lie outside the submesh, so it cannot say the data rank."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    for dims in ({"dp_shard": (2, 1)}, {"dp_replicate": (2, 1)}, {"cp": (2, 1)}):
+        with pytest.raises(ValueError, match=r"holds 2 of the run's 16 ranks"):
+            topology_from_mesh(FakeMesh(dims))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the same axis over every rank is the whole story
+    topo = topology_from_mesh(FakeMesh({"dp_shard": (4, 3)}))
+    assert (topo.dp_rank, topo.dp_size) == (3, 4)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert topology_from_mesh(FakeMesh({"world": (1, 0)})).dp_size == 1
