@@ -45,8 +45,9 @@ sees only selected keys. Other position ids
 raise ValueError naming the first bad token, and so does an attention mask hiding any key of a
 document from a query of it that sees itself (left padding: put position 0 on the first real
 token; a mask with holes inside a document cannot be followed, as selection works on whole
-ranges). Right padding needs nothing: padding comes after the real tokens, so no real query
-sees it. The ranges are computed once per forward, not per layer (every layer gets the same
+ranges). Right padding needs nothing in a forward over the padded batch: padding comes after
+the real tokens, so no real query sees it; decoding after a right-padded prefill puts the
+padding inside the document, which the check refuses (generation pads on the left). The ranges are computed once per forward, not per layer (every layer gets the same
 position ids and mask objects): the position ids' host copy and the mask check (one pass over
 the mask) are two syncs a forward. Under `torch.inference_mode` they are computed per layer:
 inference tensors have no version counter to show that a reused buffer changed.

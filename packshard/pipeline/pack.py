@@ -274,6 +274,8 @@ def run(cfg: PackConfig) -> int:
                 tokenizer.encoder is not None
                 and not tokenizer.encoder.has_chat_template
                 and has_chat_template(checked.tokenizer) is None
+                and not cfg.skip_bad_records
+                and cfg.kind in ("auto", "messages")
             ):  # a hub tokenizer's files said nothing before it loaded: look at the inputs again
                 check_inputs(cfg, chat_template=False)
         except BaseException:

@@ -66,11 +66,7 @@ class RowReader:
     def _read_shard(self, shard: int, members: np.ndarray) -> dict[int, Row]:
         local_rows = members - self._starts[shard]
         if self.cache is not None:
-            try:
-                cols = self._read_cached(shard, local_rows)
-            except FormatError as e:
-                self.cache.discard(shard, str(e))
-                cols = self._read_cached(shard, local_rows)
+            cols = self._read_cached(shard, local_rows)
         else:
             cols = self.dataset.read_rows_arrays(shard, local_rows, ROW_COLUMNS, verify=self.verify)
         return {
@@ -81,7 +77,15 @@ class RowReader:
         }
 
     def _read_cached(self, shard: int, local_rows: np.ndarray) -> dict[str, list[np.ndarray]]:
+        """Read from the cached copy; if the copy fails (not its download: that raises when
+        the lease makes the shard local), discard it and read a fresh, verified download."""
         assert self.cache is not None
+        with self.cache.lease(shard) as source:
+            try:
+                return source.read_rows_arrays(shard, local_rows, ROW_COLUMNS, verify=self.verify)
+            except FormatError as e:
+                failure = e
+        self.cache.discard(shard, str(failure))
         with self.cache.lease(shard) as source:
             return source.read_rows_arrays(shard, local_rows, ROW_COLUMNS, verify=self.verify)
 
