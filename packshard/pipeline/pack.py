@@ -93,7 +93,7 @@ from packshard.pipeline.jobstate import (
     remove_job_state,
     write_plan,
 )
-from packshard.pipeline.preflight import check_inputs, has_chat_template, preflight
+from packshard.pipeline.preflight import has_chat_template, preflight
 from packshard.pipeline.progress import JobProgress, format_summary
 from packshard.pipeline.stats import dataset_stats, format_stats
 from packshard.pipeline.tokenizer_loading import (
@@ -274,10 +274,8 @@ def run(cfg: PackConfig) -> int:
                 tokenizer.encoder is not None
                 and not tokenizer.encoder.has_chat_template
                 and has_chat_template(checked.tokenizer) is None
-                and not cfg.skip_bad_records
-                and cfg.kind in ("auto", "messages")
-            ):  # a hub tokenizer's files said nothing before it loaded: look at the inputs again
-                check_inputs(cfg, chat_template=False)
+            ):  # a hub tokenizer's files said nothing before it loaded
+                checked.refuse_chats(cfg)
         except BaseException:
             checked.discard_output()
             raise

@@ -20,8 +20,8 @@ imported (together 3-14 s on a 2-core machine). The checks cost what they read:
   that is offline and not cached, a hub that cannot be reached), without loading it; checked
   before the inputs, so that a file whose first record (or a table whose columns) holds chats
   fails when the tokenizer directory has no chat template (without ``--skip-bad-records``).
-  A hub tokenizer's template is known only once it loads: the job then runs the input checks
-  again (`pack.run`), still before a local Ray starts.
+  A hub tokenizer's template is known only once it loads: the job then repeats the chat
+  check on what preflight read (`Checked.refuse_chats`), still before a local Ray starts.
 
 Measured with local inputs and output on the 2-core development machine, each error arrives
 0.3-0.6 s after the command starts (an S3 endpoint that refuses connections: ~6 s of
@@ -37,7 +37,7 @@ import os
 import posixpath
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from packshard.packers import url_to_fs
@@ -66,6 +66,14 @@ class Checked:
     files: list[InputFile]
     tokenizer: TokenizerSource | None
     created: bool = False  # the checks created OUT (an empty local directory)
+    peeks: list[tuple[InputFile, Peek]] = field(default_factory=list)  # what the checks read
+
+    def refuse_chats(self, cfg: PackConfig) -> None:
+        """The per-file chat check again, now that the tokenizer is known to have no chat
+        template (a hub tokenizer's files say it only once it loads): on the first records or
+        columns already read, so no input is listed or read twice."""
+        for f, look in self.peeks:
+            _check_peek(cfg, f, look, chat_template=False)
 
     def discard_output(self) -> None:
         """Remove OUT if the checks created it and it is still empty: a refused job leaves no
@@ -78,13 +86,14 @@ class Checked:
 def preflight(cfg: PackConfig) -> Checked:
     """Run every check (output, inputs, tokenizer); raises OutputError, InputError, TokenizerError."""
     fs, root, created = open_output(cfg)
+    peeks: list[tuple[InputFile, Peek]] = []
     try:
         source = locate_tokenizer(cfg.tokenizer, cfg.tokenizer_revision) if cfg.tokenizer else None
-        files = check_inputs(cfg, chat_template=has_chat_template(source))
+        files = check_inputs(cfg, chat_template=has_chat_template(source), peeks=peeks)
     except BaseException:
         Checked(fs, root, [], None, created).discard_output()
         raise
-    return Checked(fs, root, files, source, created)
+    return Checked(fs, root, files, source, created, peeks)
 
 
 def has_chat_template(source: TokenizerSource | None) -> bool | None:
@@ -142,13 +151,20 @@ def _check_output_outside_inputs(cfg: PackConfig, fs: Any, root: str) -> None:
             )
 
 
-def check_inputs(cfg: PackConfig, *, chat_template: bool | None = None) -> list[InputFile]:
-    """Every input file, in order, after the per-spec checks of the module docstring. A file
-    listed more than once (the same path given twice, overlapping globs) is packed as often
-    as it is listed, with a warning."""
+def check_inputs(
+    cfg: PackConfig,
+    *,
+    chat_template: bool | None = None,
+    peeks: list[tuple[InputFile, Peek]] | None = None,
+) -> list[InputFile]:
+    """Every input file, in order, after the per-spec checks of the module docstring (each
+    file's peek appended to `peeks`, when given). A file listed more than once (the same path
+    given twice, overlapping globs) is packed as often as it is listed, with a warning."""
     per_spec = resolve_specs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
     for spec, files in zip(cfg.inputs, per_spec, strict=True):
-        _check_spec(cfg, spec, files, chat_template)
+        looked = _check_spec(cfg, spec, files, chat_template)
+        if peeks is not None:
+            peeks += looked
     files = [f for found in per_spec for f in found]
     for url, n in Counter(f.url for f in files).items():
         if n > 1:
@@ -161,13 +177,13 @@ def check_inputs(cfg: PackConfig, *, chat_template: bool | None = None) -> list[
 
 def _check_spec(
     cfg: PackConfig, spec: str, files: list[InputFile], chat_template: bool | None
-) -> None:
+) -> list[tuple[InputFile, Peek]]:
     if all("://" not in f.url and f.size == 0 for f in files):
         raise InputError(
             f"input {spec!r} is empty ({'0 bytes' if len(files) == 1 else f'{len(files)} files of 0 bytes'})"
         )
     if files[0].format == "demo":
-        return
+        return []
     looks = _peek_all(files, cfg.storage_options)
     if all(look.records == 0 for look in looks):
         raise InputError(
@@ -176,6 +192,7 @@ def _check_spec(
         )
     for f, look in zip(files, looks, strict=True):
         _check_peek(cfg, f, look, chat_template)
+    return list(zip(files, looks, strict=True))
 
 
 def _peek_all(files: list[InputFile], storage_options: Any) -> list[Peek]:
