@@ -515,9 +515,11 @@ def pack_shard(
     piece_start = (np.cumsum(kept_lengths) - kept_lengths)[pieces.sample] + pieces.start
     piece_sample_id = ids[kept][pieces.sample]
     # pieces of split samples that carry no loss token train nothing: counted, and said
-    loss_before = np.concatenate(([0], np.cumsum(mask, dtype=np.int64)))
-    piece_loss = loss_before[piece_start + pieces.length] - loss_before[piece_start]
-    lossless = (piece_loss == 0) & (pieces.length < lengths[kept][pieces.sample])
+    lossless = np.zeros(pieces.num_pieces, np.bool_)
+    if pieces.extra_pieces:  # only a split makes pieces shorter than their sample
+        loss_before = np.concatenate(([0], np.cumsum(mask, dtype=np.int64)))
+        piece_loss = loss_before[piece_start + pieces.length] - loss_before[piece_start]
+        lossless = (piece_loss == 0) & (pieces.length < lengths[kept][pieces.sample])
     batches = (
         build_rows(
             tokens,
