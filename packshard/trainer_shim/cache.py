@@ -25,8 +25,8 @@ once. The bound is kept per process over the files that process sees, so give ea
 ranks a limit that sums to the disk you want to use; a rank may then evict a shard another
 rank holds. A cached copy that cannot be read (evicted by another rank, or damaged on disk
 since it was verified) is deleted and downloaded again, verified (`discard`, called by
-`reading.RowReader`); a copy of index.arrow that does not match the manifest's checksum is
-copied again when the cache opens.
+`reading.RowReader`); a copy of index.arrow that fails the manifest's checks is copied again
+when the cache opens.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 from fsspec.implementations.local import LocalFileSystem
 
 from packshard.packers import FormatError, ShardDataset
-from packshard.packers.format import checksum_stream, new_hasher, reading, split_checksum
+from packshard.packers.format import new_hasher, reading, split_checksum
 
 log = logging.getLogger(__name__)
 
@@ -91,34 +91,37 @@ class ShardCache:
         self.evictions = 0
         self._copy_index()
         self._adopt_existing()
-        self.local = ShardDataset(
-            str(self.root), remote.manifest, LocalFileSystem(), str(self.root)
-        )
+        self.local = self._open_local()
 
     def _copy_index(self) -> None:
         entry = self.remote.parsed.index
         target = self.root / entry.path
         if target.exists() and (entry.bytes is None or target.stat().st_size == entry.bytes):
-            if (
-                entry.checksum is None
-                or self._file_checksum(target, entry.checksum) == entry.checksum
-            ):
-                return
-            log.warning(
-                "shard cache %s: the cached index.arrow does not match the manifest's checksum; "
-                "copying it again", self.root,
-            )  # fmt: skip
+            return
         tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex}.tmp")
         with reading(f"{self.remote.url}/{entry.path}"):
             data = self.remote.fs.cat_file(f"{self.remote.root}/{entry.path}")
         tmp.write_bytes(data)
-        os.replace(tmp, target)  # the local ShardDataset checks it against the manifest on open
+        os.replace(tmp, target)  # `_open_local` checks it against the manifest
 
-    @staticmethod
-    def _file_checksum(path: Path, expected: str) -> str:
-        algorithm, _ = split_checksum(expected, str(path))
-        with open(path, "rb") as f:
-            return checksum_stream(f.read, algorithm)
+    def _open_local(self) -> ShardDataset:
+        """The cached copy as a dataset, its index.arrow checked against the manifest (bytes,
+        checksum, columns); a copy that fails (damaged on disk since) is copied again."""
+
+        def local() -> ShardDataset:
+            ds = ShardDataset(
+                str(self.root), self.remote.manifest, LocalFileSystem(), str(self.root)
+            )
+            ds.index  # noqa: B018 (reads and checks index.arrow)
+            return ds
+
+        try:
+            return local()
+        except FormatError as e:
+            log.warning("shard cache %s: %s; copying index.arrow again", self.root, e)
+        (self.root / self.remote.parsed.index.path).unlink(missing_ok=True)
+        self._copy_index()
+        return local()
 
     def _adopt_existing(self) -> None:
         """Count verified copies a previous run left (only verified files carry final names)."""
