@@ -22,7 +22,7 @@ from packshard.packers.urls import dataset_url, redact_url
 from packshard.trainer_shim.meter import COUNT_KEYS
 from packshard.trainer_shim.planning import Position
 from packshard.trainer_shim.stream import PackedShardStream
-from packshard.trainer_shim.topology import Topology
+from packshard.trainer_shim.topology import Topology, rank_world
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +71,6 @@ def topology_for(rank: int, world: int, *, tp: int = 1, cp: int = 1, sp: int = 1
             f"world size {world} is not a multiple of tp*cp*sp = {tp}*{cp}*{sp} = {group}"
         )
     return Topology(dp_rank=rank // group, dp_size=world // group)
-
-
-def _rank_world() -> tuple[int, int, str]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), "torch.distributed"
-    try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError as e:
-        raise ValueError(f"RANK / WORLD_SIZE must be integers ({e})") from None
-    return rank, world, ("RANK/WORLD_SIZE" if "WORLD_SIZE" in os.environ else "one process")
 
 
 def _parallel_sizes() -> tuple[int, int, int, str]:
@@ -153,7 +141,7 @@ class PackedShardDataset(IterableDataset):
     def _resolve_topology(self) -> Topology:
         if self._explicit is not None:
             return self._explicit
-        rank, world, source = _rank_world()
+        rank, world, source = rank_world()
         tp, cp, sp, backend = _parallel_sizes()
         if cp > 1 and backend == "torch" and not self.allow_cross_document_attention:
             raise ValueError(

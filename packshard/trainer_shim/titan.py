@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,7 @@ import torch
 from packshard._extras import require
 from packshard.trainer_shim.flatten import flatten_rows
 from packshard.trainer_shim.stream import PackedShardStream
-from packshard.trainer_shim.topology import Topology
+from packshard.trainer_shim.topology import Topology, rank_world
 
 require("torchtitan", "torchtitan", "packshard.trainer_shim.titan")
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
@@ -77,7 +76,7 @@ def topology_from_mesh(mesh: Any) -> Topology:
             return Topology.from_device_mesh(mesh, dp_dims=axis, cp_dim=None)
     if all(d in names for d in SPLIT_DATA_AXES):
         return Topology.from_device_mesh(mesh, dp_dims=SPLIT_DATA_AXES, cp_dim=None)
-    size, world = _mesh_size(mesh, names), _world_size()
+    size, world = _mesh_size(mesh, names), rank_world()[1]
     if size == world == 1:  # a one-process run: whatever the axes, one data-parallel rank
         return Topology(dp_rank=0, dp_size=1)
     folded = [d for d in names if d in FOLDED_AXES]
@@ -111,15 +110,6 @@ def _mesh_size(mesh: Any, names: tuple[str, ...]) -> int:
     if names:
         return math.prod(int(mesh.size(i)) for i in range(len(names)))
     return int(mesh.size())
-
-
-def _world_size() -> int:
-    """Ranks of the run: torch.distributed's world when it is initialised, else WORLD_SIZE."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -132,3 +132,17 @@ def new_process_groups(topo: Topology, backend: str | None = None) -> tuple[Any,
         if topo.rank in ranks:
             cp_group = g
     return dp_group, cp_group
+
+
+def rank_world() -> tuple[int, int, str]:
+    """(rank, world size, where they came from): torch.distributed when it is initialised,
+    else the launcher's RANK / WORLD_SIZE, else one process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), "torch.distributed"
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"RANK / WORLD_SIZE must be integers ({e})") from None
+    return rank, world, ("RANK/WORLD_SIZE" if "WORLD_SIZE" in os.environ else "one process")
