@@ -47,9 +47,10 @@ document from a query of it that sees itself (left padding: put position 0 on th
 token; a mask with holes inside a document cannot be followed, as selection works on whole
 ranges). Right padding needs nothing in a forward over the padded batch: padding comes after
 the real tokens, so no real query sees it; decoding after a right-padded prefill puts the
-padding inside the document, which the check refuses (generation pads on the left). The ranges are computed once per forward, not per layer (every layer gets the same
-position ids and mask objects): the position ids' host copy and the mask check (one pass over
-the mask) are two syncs a forward. Under `torch.inference_mode` they are computed per layer:
+padding inside the document, which the check refuses (generation pads on the left). The
+ranges are computed once per forward, not per layer (every layer gets the same position ids
+and mask objects): the position ids' host copy and the mask check (one pass over the mask)
+are two syncs a forward. Under `torch.inference_mode` they are computed per layer:
 inference tensors have no version counter to show that a reused buffer changed.
 The replacement is not traceable by torch.compile (host-side ranges, syncs): dynamo breaks the
 graph around it. Its selections are bitwise deterministic, so a layer recomputed under

@@ -132,6 +132,7 @@ def test_a_state_given_as_a_dict_resumes_like_its_json(small_dataset: Path):
     next(it)
     saved = first.state_dict()
     rest = [b[1].tolist() for b in it]
+    assert rest  # a resume that ignored the state would yield one batch more
     for state in ({**saved}, {"packshard_stream": json.loads(saved["packshard_stream"])}):
         again = build(small_dataset, 0, 1)
         again.load_state_dict(state)
