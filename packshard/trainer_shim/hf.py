@@ -37,7 +37,7 @@ How Trainer wraps an IterableDataset, and what this module does about it (accele
   1/num_processes of what each rank yields: on a dataset already split by rank that would drop
   rows. `StreamStateCallback.on_train_begin` turns that wrapper into a pass-through (as Trainer
   does for its own rank-aware sampler); the dataset refuses to be iterated by a wrapper that
-  still re-shards. Outside a Trainer (a plain loop, a torch DataLoader) nothing wraps it, and
+  still re-shards, or by the dispatcher over several processes. Outside a Trainer (a plain loop, a torch DataLoader) nothing wraps it, and
   each rank iterates its own rows.
 - every iteration starts from the dataset's start position (the beginning, or the state loaded
   by the callback on resume): SFTTrainer's ``next(iter(dataset))`` peek at construction moves
