@@ -49,9 +49,11 @@ ranges). Right padding needs nothing in a forward over the padded batch: padding
 the real tokens, so no real query sees it; decoding after a right-padded prefill puts the
 padding inside the document, which the check refuses (generation pads on the left). The
 ranges are computed once per forward, not per layer (every layer gets the same position ids
-and mask objects): the position ids' host copy and the mask check (one pass over the mask)
-are two syncs a forward. Under `torch.inference_mode` they are computed per layer:
-inference tensors have no version counter to show that a reused buffer changed.
+and mask objects): the position ids' host copy and the mask check (one pass over each
+document's keys up to each query) are two syncs a forward. Under `torch.inference_mode` the
+tensors have no version counter to show that a reused buffer changed, so their ranges are kept
+only within one forward of the module given to `use_packshard_indexer` (hooks around its
+forward; given a bare indexer module, each call is its own forward).
 The replacement is not traceable by torch.compile (host-side ranges, syncs): dynamo breaks the
 graph around it. Its selections are bitwise deterministic, so a layer recomputed under
 gradient checkpointing selects the same keys.
@@ -183,27 +185,57 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
 MASK_CHECK_ELEMENTS = 1 << 27  # mask entries looked at per step of `_check_mask` (bounds memory)
 
 
-def _check_mask(mask: torch.Tensor, ks: torch.Tensor, past: int) -> None:
+def _query_chunks(lo: np.ndarray, past: int, batch: int, budget: int) -> list[tuple[int, int, int]]:
+    """(q0, q1, k0) steps over the queries: queries [q0, q1) look at keys [k0, past + q1), the
+    window holding every key of their documents up to themselves (lo: the smallest ks of each
+    query over the batch).
+
+    A step holds at most `budget` mask entries (one query at least). Past budget / 32 entries
+    it also ends before the first query where less than half of its window is inside the
+    queries' documents, i.e. where a new document starts far from the window's first key: so
+    the steps follow the documents (about S x L / 2 entries for documents of L tokens, not
+    S x T) without a launch per short document.
+    """
+    s = lo.shape[0]
+    chunks = []
+    q0 = 0
+    while q0 < s:
+        ahead = lo[q0 : q0 + max(1, budget // batch)]
+        k0 = np.minimum.accumulate(ahead)
+        n = np.arange(1, ahead.shape[0] + 1)
+        own = past + q0 + n - 1
+        entries = batch * n * (own + 1 - k0)
+        useful = batch * np.cumsum(own + 1 - ahead)
+        stop = (entries > budget) | ((entries > budget >> 5) & (2 * useful < entries))
+        q1 = q0 + max(1, int(np.argmax(stop)) if stop.any() else ahead.shape[0])
+        chunks.append((q0, q1, int(k0[q1 - q0 - 1])))
+        q0 = q1
+    return chunks
+
+
+def _check_mask(mask: torch.Tensor, ks: np.ndarray, past: int) -> None:
     """Raise if the model's mask hides, from a query that sees itself, any key of its document
     up to the query (keys [ks, itself] by the position ids).
 
-    mask [B or 1, S, T]; ks int64 [B, S] on the mask's device. The ranges are all packshard's
-    indexer selects from, so a mask that hides part of one (left padding, a prefix mask, holes
-    inside a document) means the selection would spend top-k slots on keys the attention then
-    drops. One pass over the mask, in steps of queries, and one sync.
+    mask [B or 1, S, T]; ks int64 [B, S] on the host. The ranges are all packshard's indexer
+    selects from, so a mask that hides part of one (left padding, a prefix mask, holes inside a
+    document) means the selection would spend top-k slots on keys the attention then drops.
+    Each step of queries reads only the mask's window of keys their documents span up to the
+    last of them (a packed row's documents are a small part of S x T, a causal row half of
+    it), and there is one sync.
     """
     b, s = ks.shape
-    t = mask.shape[-1]
     m = mask.expand(b, -1, -1)
-    keys = torch.arange(t, device=ks.device)
-    bad = torch.zeros((b, s), dtype=torch.bool, device=ks.device)
-    step = max(1, MASK_CHECK_ELEMENTS // max(1, b * t))
-    for q0 in range(0, s, step):
-        q1 = min(s, q0 + step)
-        allowed = _allowed(m[:, q0:q1])  # [B, c, T]
-        own = past + torch.arange(q0, q1, device=ks.device)  # [c]
-        sees_self = allowed.gather(2, own.expand(b, -1).unsqueeze(-1)).squeeze(-1)
-        in_range = (keys >= ks[:, q0:q1, None]) & (keys <= own[None, :, None])
+    dev = mask.device
+    ks_dev = torch.from_numpy(np.ascontiguousarray(ks)).to(dev)
+    bad = torch.zeros((b, s), dtype=torch.bool, device=dev)
+    for q0, q1, k0 in _query_chunks(ks.min(axis=0), past, b, MASK_CHECK_ELEMENTS):
+        k1 = past + q1
+        allowed = _allowed(m[:, q0:q1, k0:k1])  # [B, c, k1 - k0]
+        own = past + torch.arange(q0, q1, device=dev)  # [c]
+        sees_self = allowed.gather(2, (own - k0).expand(b, -1).unsqueeze(-1)).squeeze(-1)
+        keys = torch.arange(k0, k1, device=dev)
+        in_range = (keys >= ks_dev[:, q0:q1, None]) & (keys <= own[None, :, None])
         bad[:, q0:q1] = (in_range & ~allowed).any(-1) & sees_self
     if not bool(bad.any()):
         return
@@ -234,21 +266,28 @@ class _Ranges:
     refs: tuple[weakref.ref, ...]
     ks: torch.Tensor  # int32 [B*S] on the host, pinned when q is on a GPU
     ke: torch.Tensor
+    held: tuple[torch.UntypedStorage, ...] = ()  # inference tensors' memory, for one forward
 
     def matches(self, key: tuple, objs: tuple[torch.Tensor, ...]) -> bool:
         return key == self.key and all(r() is o for r, o in zip(self.refs, objs, strict=True))
 
 
-def _identity(x: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple] | None:
-    """The tensor owning x's memory and what pins down x's contents (a view's offset, version);
-    None for an inference tensor (torch.inference_mode), which has no version counter: its
-    contents could change in place unseen, so ranges computed from it are not kept."""
+def _identity(
+    x: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, tuple, torch.UntypedStorage | None]:
+    """What pins down x's contents: the tensor owning its memory (kept as a weak reference)
+    and its view and version, for a tensor with a version counter. An inference tensor
+    (torch.inference_mode) has none, and its views have no base, so it is known by its
+    memory's address, with that memory held (the third item) so that no other tensor can get
+    the address while the ranges are kept: only until the routed model's forward returns."""
     if x is None:
-        return None, ()
+        return None, (), None
+    view = (x.shape, x.stride(), x.storage_offset(), x.device)
     if x.is_inference():
-        return None
+        storage = x.untyped_storage()
+        return None, (*view, storage.data_ptr()), storage
     base = x._base if x._base is not None else x
-    return base, (x.shape, x.stride(), x.storage_offset(), x._version, x.device)
+    return base, (*view, x._version), None
 
 
 @dataclass
@@ -262,6 +301,8 @@ class PackshardIndexer:
     calls: int = 0  # indexer forwards served
     _ranges: _Ranges | None = field(default=None, repr=False)
     _model: weakref.ref | None = field(default=None, repr=False)
+    _forwards: int = field(default=0, repr=False)  # the routed model's forwards begun
+    _hooks: tuple[Any, ...] = field(default=(), repr=False)  # the model's hooks around them
 
     def restore(self) -> None:
         """Put back each module's own forward (idempotent)."""
@@ -272,6 +313,9 @@ class PackshardIndexer:
         model = self._model() if self._model is not None else None
         if model is not None and getattr(model, "_packshard_indexer", None) is self:
             del model._packshard_indexer
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = ()
         self._ranges = None
 
     @property
@@ -298,6 +342,17 @@ class PackshardIndexer:
             m._packshard_indexer = self
         if model is not None:
             model._packshard_indexer = self
+            self._hooks = (
+                model.register_forward_pre_hook(self._forward_begins),
+                model.register_forward_hook(self._forward_ends, always_call=True),
+            )
+
+    def _forward_begins(self, module: nn.Module, args: Any) -> None:
+        self._forwards += 1
+
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._ranges is not None and self._ranges.held:
+            self._ranges = None  # lets the inference tensors' memory go
 
     def __enter__(self) -> PackshardIndexer:
         """The handle; a restored handle routes its model again (one handle, many blocks)."""
@@ -319,13 +374,12 @@ class PackshardIndexer:
         b, s, t = shape
         past = t - s
         pos_id, mask_id = _identity(position_ids), _identity(mask)
-        key: tuple | None = None
-        objs: tuple[torch.Tensor, ...] = ()
-        if pos_id is not None and mask_id is not None:
-            key = (b, s, t, str(device), pos_id[1], mask_id[1])
-            objs = tuple(o for o in (pos_id[0], mask_id[0]) if o is not None)
-            if self._ranges is not None and self._ranges.matches(key, objs):
-                return self._ranges.ks, self._ranges.ke
+        held = tuple(h for h in (pos_id[2], mask_id[2]) if h is not None)
+        forward = self._forwards if held else None
+        key = (b, s, t, str(device), pos_id[1], mask_id[1], forward)
+        objs = tuple(o for o in (pos_id[0], mask_id[0]) if o is not None)
+        if self._ranges is not None and self._ranges.matches(key, objs):
+            return self._ranges.ks, self._ranges.ke
         if position_ids is None:
             pos = np.broadcast_to(past + np.arange(s, dtype=np.int64), (b, s))
         else:
@@ -337,14 +391,13 @@ class PackshardIndexer:
             pos = np.broadcast_to(position_ids.detach().cpu().numpy(), (b, s))
         ks, ke = document_ranges(pos, past)
         if mask is not None:
-            _check_mask(mask, torch.from_numpy(ks).to(mask.device), past)
+            _check_mask(mask, ks, past)
         offset = (np.arange(b, dtype=np.int64) * t)[:, None]
         ks_t = torch.from_numpy((ks + offset).astype(np.int32).reshape(-1))
         ke_t = torch.from_numpy((ke + offset).astype(np.int32).reshape(-1))
         if device.type == "cuda":
             ks_t, ke_t = ks_t.pin_memory(), ke_t.pin_memory()
-        if key is not None:
-            self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t)
+        self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t, held)
         return ks_t, ke_t
 
     @torch.no_grad()

@@ -379,6 +379,42 @@ def test_a_mask_with_a_hole_inside_a_document_raises() -> None:
         model(ids, attention_mask=torch.ones_like(ids), use_cache=False)  # no hole: fine
 
 
+@pytest.mark.parametrize("budget", [1, 7, 40, 1 << 27])
+def test_the_mask_check_reads_every_key_of_each_document(monkeypatch, budget: int) -> None:
+    """`_check_mask` in steps of queries over key windows (down to one query a step) finds
+    exactly the queries a full pass finds: hidden keys inside [ks, itself] of a query that sees
+    itself, wherever they sit, with a cache (past > 0) and a batch of two."""
+    from packshard.kernels import hf
+
+    monkeypatch.setattr(hf, "MASK_CHECK_ELEMENTS", budget)
+    gen = torch.Generator().manual_seed(budget)
+    past, s, b = 3, 17, 2
+    t = past + s
+    pos = torch.tensor([[*range(past, past + 6), *range(7), *range(4)], [*range(past, past + s)]])
+    ks, _ = document_ranges(pos.numpy(), past)
+    key = torch.arange(t)
+    own = past + torch.arange(s)
+    visible = (key >= torch.from_numpy(ks)[..., None]) & (key <= own[:, None])  # [B, S, T]
+    hf._check_mask(visible, ks, past)  # the exact block-causal mask passes
+    hf._check_mask(torch.ones(1, s, t, dtype=torch.bool).tril(past), ks, past)  # so does causal
+    for _ in range(30):
+        mask = visible.clone()
+        r, q = (
+            int(torch.randint(b, (1,), generator=gen)),
+            int(torch.randint(s, (1,), generator=gen)),
+        )
+        lo, hi = int(ks[r, q]), past + q
+        k = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        mask[r, q, k] = False
+        if k == hi:  # a query that does not see itself is not checked
+            hf._check_mask(mask, ks, past)
+            continue
+        additive = torch.zeros(b, s, t).masked_fill(~mask, torch.finfo(torch.float32).min)
+        for m in (mask, additive):
+            with pytest.raises(ValueError, match=rf"hides key {k}\b.* query {q} of batch row {r}"):
+                hf._check_mask(m, ks, past)
+
+
 def test_inference_mode_and_a_handle_entered_again() -> None:
     model = tiny_model("glm_moe_dsa")
     ids = torch.randint(0, 64, (1, 9), device=DEVICE)
@@ -394,6 +430,39 @@ def test_inference_mode_and_a_handle_entered_again() -> None:
             assert handle.active
             model(ids, use_cache=False)
         assert not handle.active and handle.calls == 2 + n
+
+
+def test_ranges_are_computed_once_a_forward_under_inference_mode(monkeypatch) -> None:
+    """Inference tensors have no version counter, so their ranges are kept only within one
+    forward of the routed model: once a forward for three layers, again for the next forward
+    even when it passes the same position-id tensor changed in place (which must be seen)."""
+    from packshard.kernels import hf
+
+    calls = []
+
+    def counted(pos, past=0):
+        calls.append(pos.copy())
+        return document_ranges(pos, past)
+
+    monkeypatch.setattr(hf, "document_ranges", counted)
+    model = tiny_model("deepseek_v32")
+    config = model.config
+    config.num_hidden_layers, config.mlp_layer_types = 3, ["dense"] * 3
+    torch.manual_seed(0)
+    model = transformers.DeepseekV32ForCausalLM(config).eval().to(DEVICE)
+    ids = torch.randint(0, 64, (1, 9), device=DEVICE)
+    with use_packshard_indexer(model, config=CONFIG) as handle, torch.inference_mode():
+        pos = torch.arange(9, device=DEVICE)[None].clone()
+        model(ids, position_ids=pos, use_cache=False)
+        assert handle.calls == 3 and len(calls) == 1
+        assert handle._ranges is None  # the inference tensors' memory is not held past a forward
+        pos[0, 5:] = torch.arange(4, device=DEVICE)  # a second document, written in place
+        got = model(ids, position_ids=pos, use_cache=False).logits
+        assert handle.calls == 6 and len(calls) == 2 and calls[1][0, 5] == 0
+    with use_packshard_indexer(model, config=CONFIG), torch.no_grad():
+        expected = model(ids, position_ids=pos.clone(), use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # restore() removes both
 
 
 def test_arguments_that_cannot_work_are_refused() -> None:
@@ -415,7 +484,7 @@ def test_benchmark_tiny_run_and_record(tmp_path, monkeypatch) -> None:
         ["--tiny", "--sizes", "96", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)]
     )
     r = data["results"][0]
-    assert r["tokens"] == 96 and r["docs"] == 6 and r["ours_ms"] > 0
+    assert r["tokens"] == 96 and r["docs"] == 6 and r["ours_ms"] > 0 and r["later_ms"] > 0
     e = r["exact"]
     assert e["ours_wrong"] == e["own_wrong"] == e["differ_untied"] == 0
     assert e["identical"] + e["tied"] >= e["queries"] == 96
