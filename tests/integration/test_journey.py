@@ -29,13 +29,14 @@ import shutil
 import socket
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from tests.integration._procs import REPO, ray_tmpdir
+from tests.integration._procs import REPO, kill_processes_using, ray_tmpdir
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.shared, pytest.mark.s3]
 
@@ -123,6 +124,21 @@ def wait_for_jobs_api(venv_bin: Path, cwd: Path, env: dict[str, str], head_log: 
         time.sleep(2)
 
 
+def start_head(block: str, cwd: Path, env: dict[str, str], rt: str, attempts: int = 3) -> str:
+    """Run the documents' head block; `ray start` exits 1 when its raylet does not register
+    within 30 s (seen about once in 40 node starts on the 2-core CI machine), and then, as a
+    user would, the block runs again, each failure a warning with its output."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return run_block(block, cwd, env, timeout=300)
+        except AssertionError as e:
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            kill_processes_using(rt)
+            warnings.warn(f"the Ray head did not start (attempt {attempt}): {e}", stacklevel=1)
+    raise AssertionError("unreachable")
+
+
 def test_newcomer_journey(shared_data: Path, s3_server, tmp_path: Path):
     import boto3
     import fsspec
@@ -175,7 +191,7 @@ def test_newcomer_journey(shared_data: Path, s3_server, tmp_path: Path):
             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
         }  # fmt: skip
         # 2. OPERATIONS.md: the head, from the activated venv, with a token
-        head_log = run_block(head_block, work, env, timeout=300)
+        head_log = start_head(head_block, work, env, rt)
         assert (home / ".ray" / "auth_token").is_file()
         active = {**env, "PATH": f"{venv_bin}{os.pathsep}{env['PATH']}", "RAY_AUTH_MODE": "token"}
         wait_for_jobs_api(venv_bin, work, active, head_log)

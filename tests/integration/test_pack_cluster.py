@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from tests.integration._procs import (
     free_port,
     kill_processes_using,
     pack_env,
+    ray_node_logs,
     ray_port_flags,
     ray_tmpdir,
     start,
@@ -62,6 +64,54 @@ def _jobs_api_up(address: str, env: dict[str, str]) -> bool:
     return r.returncode == 0
 
 
+HEAD_ATTEMPTS = 3  # a head that exits before it is up is started anew with fresh ports
+
+
+def _start_head(
+    rt: str, head_env: dict[str, str], env: dict[str, str], log: Path
+) -> tuple[subprocess.Popen, int, int]:
+    """(process, GCS port, dashboard port) of a head whose jobs API answers.
+
+    `ray start` exits 1 when its raylet does not register within 30 s, and the agent ports
+    picked free here are bound later (another process can take one meanwhile): a head that
+    exits before it is up is started again with fresh ports, each failure a warning carrying
+    its output and the node's logs (test_pack_multinode.py does the same for its nodes)."""
+    failures = []
+    for attempt in range(1, HEAD_ATTEMPTS + 1):
+        gcs, dash = free_port(), free_port()
+        attempt_log = log.with_name(f"{log.stem}-{attempt}.log")
+        head = start(
+            [
+                str(BIN / "ray"), "start", "--head", "--block", "--port", str(gcs),
+                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+                "--include-dashboard", "true", "--num-cpus", "2", "--temp-dir", rt,
+                "--disable-usage-stats", "--ray-client-server-port", str(free_port()),
+                *ray_port_flags(),
+            ],
+            head_env,
+            attempt_log,
+        )  # fmt: skip
+        deadline = time.monotonic() + 240
+        while not _jobs_api_up(f"http://127.0.0.1:{dash}", env):
+            if head.poll() is not None:
+                failures.append(
+                    f"attempt {attempt}: the head exited ({head.returncode}):\n"
+                    f"{attempt_log.read_text(errors='replace')[-1500:]}\n{ray_node_logs(rt)}"
+                )
+                kill_processes_using(rt)
+                warnings.warn(f"the Ray head did not start; {failures[-1]}", stacklevel=1)
+                break
+            if time.monotonic() > deadline:
+                head.kill()
+                raise AssertionError(
+                    "the Ray head did not come up in 240 s:\n" + attempt_log.read_text()[-3000:]
+                )
+            time.sleep(1)
+        else:
+            return head, gcs, dash
+    raise AssertionError("\n\n".join(failures))
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """(dashboard address, GCS address, environment) of a 2-CPU head."""
@@ -75,42 +125,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         (other / "python").symlink_to(BASE_PYTHON)
         path = [p for p in env["PATH"].split(os.pathsep) if Path(p) != BIN]
         head_env = {**env, "PATH": os.pathsep.join([str(other), *path])}
-        gcs, dash = free_port(), free_port()
-        head = start(
-            [
-                str(BIN / "ray"),
-                "start",
-                "--head",
-                "--block",
-                "--port",
-                str(gcs),
-                "--dashboard-host",
-                "127.0.0.1",
-                "--dashboard-port",
-                str(dash),
-                "--include-dashboard",
-                "true",
-                "--num-cpus",
-                "2",
-                "--temp-dir",
-                rt,
-                "--disable-usage-stats",
-                "--ray-client-server-port",
-                str(free_port()),
-                *ray_port_flags(),
-            ],
-            head_env,
-            log,
-        )
+        head, gcs, dash = _start_head(rt, head_env, env, log)
         address = f"http://127.0.0.1:{dash}"
         try:
-            deadline = time.monotonic() + 240
-            while not _jobs_api_up(address, env):
-                if head.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        "the Ray head did not come up:\n" + log.read_text()[-3000:]
-                    )
-                time.sleep(1)
             yield address, f"127.0.0.1:{gcs}", env
         finally:
             head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
