@@ -34,6 +34,7 @@ Throughput: benchmarks/RESULTS.md (bench_stream.py, against a tuned MosaicML str
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from packshard.packers import CostModel, FormatError, ShardDataset
+from packshard.packers import CostModel, FormatError, ShardDataset, StorageError
 from packshard.packers.urls import dataset_url, redact_url
 from packshard.trainer_shim.cache import ShardCache
 from packshard.trainer_shim.cp import (
@@ -89,6 +90,7 @@ class StreamConfig:
     seq_len: int | None = None
     cache_limit_bytes: int | None = None
     read_ahead_bytes: int = 64 << 20
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -136,6 +138,12 @@ class StreamConfig:
             raise bad("cache_limit_bytes", "must be >= 1 or None (unbounded)")
         if self.read_ahead_bytes < 0:
             raise bad("read_ahead_bytes", "must be >= 0")
+        stall = self.stall_timeout_s
+        if stall is not None and (
+            isinstance(stall, bool) or not isinstance(stall, (int, float, np.integer, np.floating))
+            or not math.isfinite(stall) or stall <= 0
+        ):  # fmt: skip
+            raise bad("stall_timeout_s", "must be a number of seconds > 0, or None (wait)")
 
 
 def _is_int(value: Any) -> bool:
@@ -181,7 +189,10 @@ class PackedShardStream:
     read whole are kept for later windows up to 4 x `read_ahead_bytes` (256 MiB: the
     dataset's `whole_batch_bytes`). `verify=False` skips the row checksums. Every problem with the dataset is a
     `packers.FormatError` naming the file (`DatasetNotFoundError` without a dataset at `url`,
-    `StorageError` when the store fails).
+    `StorageError` when the store fails). A read that returns nothing for 60 s is logged (again
+    at 120, 240, ... s); with `stall_timeout_s` the iterator raises `StorageError` naming the
+    shards it waits for once that long has passed without a row (a store that accepts
+    connections but stops answering leaves its client library retrying for many minutes).
     """
 
     def __init__(
@@ -208,12 +219,13 @@ class PackedShardStream:
         cost_model: CostModel | None = None,
         verify: bool = True,
         read_ahead_bytes: int = 64 << 20,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self.config = StreamConfig(
             dp_rank=dp_rank, dp_size=dp_size, rows_per_step=rows_per_step, cp_rank=cp_rank, cp_size=cp_size,
             seed=seed, epochs=epochs, shuffle=shuffle, cp_layout=cp_layout, balance=balance, prefetch=prefetch,
             read_threads=read_threads, verify=verify, seq_len=seq_len, cache_limit_bytes=cache_limit_bytes,
-            read_ahead_bytes=read_ahead_bytes,
+            read_ahead_bytes=read_ahead_bytes, stall_timeout_s=stall_timeout_s,
         )  # fmt: skip
         c = self.config  # the checked values (numpy ints made ints)
         dp_rank, dp_size, rows_per_step, seed, epochs = (
@@ -249,6 +261,7 @@ class PackedShardStream:
         self._micro_step = 0
         self._generation = 0
         self._stop: threading.Event | None = None
+        self._reading: str | None = None  # what the prefetch thread reads now (shards)
         self.cache = (
             ShardCache(
                 self.dataset, cache_dir, fingerprint=self.fingerprint, limit_bytes=cache_limit_bytes
@@ -394,6 +407,7 @@ class PackedShardStream:
         superseded = "this iteration was stopped (by close(), load_state_dict or a new iter()); iterate the stream again"
         num_rows = self.dataset.num_rows
         waited, warn_at = 0.0, STALL_WARN_S
+        timeout = self.config.stall_timeout_s
         try:
             while True:
                 try:
@@ -402,6 +416,14 @@ class PackedShardStream:
                 except queue.Empty:
                     item = None
                     waited += 0.5
+                    if timeout is not None and waited >= timeout and thread.is_alive():
+                        raise StorageError(
+                            f"PackedShardStream {self.url}: no rows for {waited:.0f} s "
+                            f"(stall_timeout_s={timeout:g}) while reading "
+                            f"{self._reading or 'the next window'}; the store accepts "
+                            "connections but does not answer, or the reads are slower than "
+                            "stall_timeout_s allows"
+                        ) from None
                     if waited >= warn_at:
                         warn_at *= 2
                         log.warning(
@@ -500,18 +522,31 @@ class PackedShardStream:
             for item in self._work(start, skip):
                 pending.append(item)
                 if len(pending) >= window:
-                    if not self._put(q, (pending, reader.read([r for _, _, r in pending if r >= 0])), stop):  # fmt: skip
+                    if not self._put(q, (pending, self._read(reader, pending)), stop):
                         return
                     pending = []
                     if grow and self.cache is not None and self.cache.complete:
                         window, grow = max(window, LOCAL_WINDOW_ROWS), False
-            if pending and not self._put(q, (pending, reader.read([r for _, _, r in pending if r >= 0])), stop):  # fmt: skip
+            if pending and not self._put(q, (pending, self._read(reader, pending)), stop):
                 return
             self._put(q, _END, stop)
         except BaseException as e:  # delivered to the consumer, in order
             self._put(q, _Failed(e), stop)
         finally:
             reader.close()
+
+    def _read(self, reader: RowReader, pending: list[tuple[StepPlan, int, int]]) -> dict[int, Row]:
+        """The window's rows (fillers, row -1, have none); `_reading` names their shards
+        meanwhile, for the stall timeout's message."""
+        rows = np.asarray([r for _, _, r in pending if r >= 0], dtype=np.int64)
+        shards = np.unique(np.searchsorted(self.dataset.shard_row_starts, rows, side="right") - 1)
+        paths = [self.dataset.shards[int(i)].path for i in shards[:3]]
+        more = f" and {shards.size - 3} more" if shards.size > 3 else ""
+        self._reading = f"{rows.size} rows of {', '.join(paths)}{more}"
+        try:
+            return reader.read(rows)
+        finally:
+            self._reading = None
 
     def _microbatch(self, row: int, data: Row | None) -> dict[str, Any]:
         c = self.config

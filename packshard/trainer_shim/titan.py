@@ -135,6 +135,9 @@ class PackedShardDataLoader(BaseDataLoader):
         prefetch: int | None = None
         read_threads: int = 4
         verify: bool = True
+        stall_timeout_s: float | None = None
+        """Seconds without a row before iteration raises StorageError (None: wait, logging
+        every doubling from 60 s): a stalled store then fails the run instead of hanging it."""
 
     def __init__(
         self,
@@ -165,6 +168,7 @@ class PackedShardDataLoader(BaseDataLoader):
             url, dp_rank=dp_rank, dp_size=dp_world_size, rows_per_step=rows * dp_world_size,
             seed=config.seed, shuffle=config.shuffle, epochs=config.epochs, cache_dir=config.cache_dir,
             prefetch=config.prefetch, read_threads=config.read_threads, verify=config.verify,
+            stall_timeout_s=config.stall_timeout_s,
         )  # fmt: skip
         ds_seq = int(self.stream.dataset.config["seq_len"])
         if seq_len is not None and ds_seq > seq_len:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from packshard.packers import DatasetNotFoundError, FormatError, ShardDataset
+from packshard.packers import DatasetNotFoundError, FormatError, ShardDataset, StorageError
 from packshard.trainer_shim import PackedShardStream
 from packshard.trainer_shim.microbatch import build_microbatch
 from packshard.trainer_shim.reading import RowReader
@@ -358,6 +358,10 @@ def test_whole_batches_kept_scale_with_read_ahead(small_dataset: Path):
         ({"epochs": 1.5}, r"epochs=1.5 is invalid: must be an int or None"),
         ({"shuffle": "no"}, r"shuffle='no' is invalid: must be True or False"),
         ({"dp_rank": True}, r"dp_rank=True is invalid: must be an int"),
+        ({"stall_timeout_s": 0}, r"stall_timeout_s=0 is invalid: must be a number of seconds > 0"),
+        ({"stall_timeout_s": "30"}, r"stall_timeout_s='30' is invalid"),
+        ({"stall_timeout_s": float("inf")}, r"stall_timeout_s=inf is invalid"),
+        ({"stall_timeout_s": True}, r"stall_timeout_s=True is invalid"),
     ],
 )
 def test_arguments_of_the_wrong_type_are_named(small_dataset: Path, kw: dict, match: str):
@@ -479,6 +483,39 @@ def test_damaged_cached_copies_are_fetched_again(small_dataset: Path, tmp_path: 
     assert "part-00000.arrow could not be read (" in caplog.text
     assert again.cache is not None and again.cache.downloads == 1  # that shard alone
     assert shard.read_bytes() == (small_dataset / manifest["shards"][0]["path"]).read_bytes()
+
+
+def test_a_stream_stalled_past_stall_timeout_s_raises_naming_the_shard(
+    small_dataset: Path, monkeypatch
+):
+    """Rows read before the stall are delivered; then, after stall_timeout_s without a row, a
+    StorageError names the shard being read (a stalled store otherwise keeps its client library
+    retrying for many minutes). Without the timeout the same slow read just arrives."""
+    read = RowReader.read
+    calls = []
+
+    def stalls_on_the_second_window(self, rows):
+        calls.append(len(rows))
+        if len(calls) == 2:
+            time.sleep(3.0)
+        return read(self, rows)
+
+    monkeypatch.setattr(RowReader, "read", stalls_on_the_second_window)
+    args = dict(dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4)
+    s = PackedShardStream(str(small_dataset), stall_timeout_s=1, **args)
+    it = iter(s)
+    first = [next(it) for _ in range(4)]  # the first window
+    t0 = time.monotonic()
+    with pytest.raises(
+        StorageError,
+        match=r"no rows for 1 s \(stall_timeout_s=1\) while reading 4 rows of shards/part-00000\.arrow",
+    ):
+        next(it)
+    assert time.monotonic() - t0 < 2.5 and [mb["row"] >= 0 for mb in first] == [True] * 4
+    s.close()
+    calls.clear()
+    slow = PackedShardStream(str(small_dataset), **args)  # no timeout: waits for the read
+    assert len(collect(slow)) == len(collect(PackedShardStream(str(small_dataset), **args)))
 
 
 def test_a_stream_waiting_long_for_rows_says_so(small_dataset: Path, monkeypatch, caplog):
