@@ -49,11 +49,14 @@ ranges). Right padding needs nothing in a forward over the padded batch: padding
 the real tokens, so no real query sees it; decoding after a right-padded prefill puts the
 padding inside the document, which the check refuses (generation pads on the left). The
 ranges are computed once per forward, not per layer (every layer gets the same position ids
-and mask objects): the position ids' host copy and the mask check (one pass over each
-document's keys up to each query) are two syncs a forward. Under `torch.inference_mode` the
-tensors have no version counter to show that a reused buffer changed, so their ranges are kept
-only within one forward of the module given to `use_packshard_indexer` (hooks around its
-forward; given a bare indexer module, each call is its own forward).
+and mask objects): the position ids' host copy and the mask check (over the keys of each
+query's document up to it, in steps: `_check_mask`) are two syncs a forward. Under
+`torch.inference_mode` the tensors have no version counter to show that a reused buffer
+changed, so their ranges are kept only while a call of the module given to
+`use_packshard_indexer` runs (hooks around its `__call__`; a bare indexer module's calls are
+one layer each). Reaching the indexers another way (`model.forward(...)`, the inner
+`model.model(...)`, a wrapper calling `.forward`) computes them per layer under
+inference_mode.
 The replacement is not traceable by torch.compile (host-side ranges, syncs): dynamo breaks the
 graph around it. Its selections are bitwise deterministic, so a layer recomputed under
 gradient checkpointing selects the same keys.
@@ -88,6 +91,7 @@ model's own, unrotated keys.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -193,14 +197,20 @@ def _query_chunks(lo: np.ndarray, past: int, batch: int, budget: int) -> list[tu
     A step holds at most `budget` mask entries (one query at least). Past budget / 32 entries
     it also ends before the first query where less than half of its window is inside the
     queries' documents, i.e. where a new document starts far from the window's first key: so
-    the steps follow the documents (about S x L / 2 entries for documents of L tokens, not
-    S x T) without a launch per short document.
+    the steps follow documents longer than a step (GLM-5's 6-document bench row at 16K: 0.17
+    of S x T) while short documents share steps of budget / 32 entries (16-token documents at
+    32K: 0.06 of S x T) instead of a launch each. The host work is O(S) a step at most, as
+    the budget bounds how far a step can reach.
     """
     s = lo.shape[0]
     chunks = []
     q0 = 0
     while q0 < s:
-        ahead = lo[q0 : q0 + max(1, budget // batch)]
+        # a step of n queries holds at least batch * n * (w0 + n - 1) entries (w0: the first
+        # query's window), so the budget ends it within `cap` queries: look no further
+        w0 = past + q0 + 1 - int(lo[q0])
+        cap = min(budget // batch, budget // (batch * w0) + 1, math.isqrt(budget // batch) + 2)
+        ahead = lo[q0 : q0 + max(1, cap)]
         k0 = np.minimum.accumulate(ahead)
         n = np.arange(1, ahead.shape[0] + 1)
         own = past + q0 + n - 1
@@ -221,8 +231,9 @@ def _check_mask(mask: torch.Tensor, ks: np.ndarray, past: int) -> None:
     selects from, so a mask that hides part of one (left padding, a prefix mask, holes inside a
     document) means the selection would spend top-k slots on keys the attention then drops.
     Each step of queries reads only the mask's window of keys their documents span up to the
-    last of them (a packed row's documents are a small part of S x T, a causal row half of
-    it), and there is one sync.
+    last of them (`_query_chunks`: 0.17 of S x T for GLM-5's 6-document bench row at 16K; for
+    one causal document, from 0.8 of it at 16K to about half from 128K), and there is one
+    sync.
     """
     b, s = ks.shape
     m = mask.expand(b, -1, -1)
@@ -303,6 +314,7 @@ class PackshardIndexer:
     _model: weakref.ref | None = field(default=None, repr=False)
     _forwards: int = field(default=0, repr=False)  # the routed model's forwards begun
     _hooks: tuple[Any, ...] = field(default=(), repr=False)  # the model's hooks around them
+    _depth: int = field(default=0, repr=False)  # routed forwards in progress
 
     def restore(self) -> None:
         """Put back each module's own forward (idempotent)."""
@@ -349,8 +361,10 @@ class PackshardIndexer:
 
     def _forward_begins(self, module: nn.Module, args: Any) -> None:
         self._forwards += 1
+        self._depth += 1
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
         if self._ranges is not None and self._ranges.held:
             self._ranges = None  # lets the inference tensors' memory go
 
@@ -397,7 +411,10 @@ class PackshardIndexer:
         ke_t = torch.from_numpy((ke + offset).astype(np.int32).reshape(-1))
         if device.type == "cuda":
             ks_t, ke_t = ks_t.pin_memory(), ke_t.pin_memory()
-        self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t, held)
+        if held and not self._depth:  # outside a hooked forward: nothing marks its end
+            self._ranges = None
+        else:
+            self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t, held)
         return ks_t, ke_t
 
     @torch.no_grad()

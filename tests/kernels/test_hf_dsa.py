@@ -459,9 +459,16 @@ def test_ranges_are_computed_once_a_forward_under_inference_mode(monkeypatch) ->
         pos[0, 5:] = torch.arange(4, device=DEVICE)  # a second document, written in place
         got = model(ids, position_ids=pos, use_cache=False).logits
         assert handle.calls == 6 and len(calls) == 2 and calls[1][0, 5] == 0
+        # `.forward` skips the hooks that bound a forward: nothing may be kept past a call
+        around = torch.arange(9, device=DEVICE)[None].clone()
+        model.forward(ids, position_ids=around, use_cache=False)
+        assert len(calls) == 5 and handle._ranges is None
+        around.copy_(pos)
+        bypassed = model.forward(ids, position_ids=around, use_cache=False).logits
     with use_packshard_indexer(model, config=CONFIG), torch.no_grad():
         expected = model(ids, position_ids=pos.clone(), use_cache=False).logits
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bypassed, expected, rtol=1e-6, atol=1e-6)
     assert not model._forward_pre_hooks and not model._forward_hooks  # restore() removes both
 
 
