@@ -37,8 +37,8 @@ FAMILIES = ["glm_moe_dsa", "deepseek_v32"]
 DOCS = [13, 3, 20]  # one packed row: documents longer and shorter than TOPK
 
 
-def tiny_model(family: str, attn: str = "sdpa") -> nn.Module:
-    """fp32 random-init model: GLM with a full and a shared indexer layer, V3.2 with one layer."""
+def tiny_model(family: str, attn: str = "sdpa", layers: int = 1) -> nn.Module:
+    """fp32 random-init model: GLM with a full and a shared indexer layer, V3.2 with `layers`."""
     common = dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_group=1, topk_group=1,
@@ -54,7 +54,7 @@ def tiny_model(family: str, attn: str = "sdpa") -> nn.Module:
         )  # fmt: skip
         return transformers.GlmMoeDsaForCausalLM(config).eval().to(DEVICE)
     config = transformers.DeepseekV32Config(
-        num_hidden_layers=1, mlp_layer_types=["dense"], **common
+        num_hidden_layers=layers, mlp_layer_types=["dense"] * layers, **common
     )
     return transformers.DeepseekV32ForCausalLM(config).eval().to(DEVICE)
 
@@ -445,11 +445,7 @@ def test_ranges_are_computed_once_a_forward_under_inference_mode(monkeypatch) ->
         return document_ranges(pos, past)
 
     monkeypatch.setattr(hf, "document_ranges", counted)
-    model = tiny_model("deepseek_v32")
-    config = model.config
-    config.num_hidden_layers, config.mlp_layer_types = 3, ["dense"] * 3
-    torch.manual_seed(0)
-    model = transformers.DeepseekV32ForCausalLM(config).eval().to(DEVICE)
+    model = tiny_model("deepseek_v32", layers=3)
     ids = torch.randint(0, 64, (1, 9), device=DEVICE)
     with use_packshard_indexer(model, config=CONFIG) as handle, torch.inference_mode():
         pos = torch.arange(9, device=DEVICE)[None].clone()
