@@ -493,8 +493,8 @@ def render(results: list[dict], meta: dict) -> str:
         ),
         "",
         "ours ms: a forward's first layer, which computes the documents' ranges from the position "
-        "ids (a host copy) and checks the mask (one pass over each document's keys): the "
-        "headline ratio. Later layers of the same forward get the same position-id and mask "
+        "ids (a host copy) and checks the mask (the keys of each query's document up to it): "
+        "the ratio best / ours. Later layers of the same forward get the same position-id and mask "
         "objects and reuse the ranges: ours, later layers.",
         "",
         "Selected keys. Exact inputs (integer q, k, weights: fp8 is exact): queries whose set "
