@@ -97,8 +97,8 @@ class PackedShardDataset(IterableDataset):
     DP ranks): set it to ``per_device_train_batch_size * gradient_accumulation_steps`` so a
     planning step is an optimizer step. Other keyword arguments go to `PackedShardStream`
     (seed, epochs, shuffle, balance, cache_dir, storage_options, prefetch, read_threads,
-    seq_len, cost_model, verify, cache_limit_bytes). Unsized: give Trainer ``max_steps``
-    (`micro_batches_per_epoch` helps)."""
+    seq_len, cost_model, verify, cache_limit_bytes, read_ahead_bytes, stall_timeout_s).
+    Unsized: give Trainer ``max_steps`` (`micro_batches_per_epoch` helps)."""
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ bad in the store itself raises.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,12 +35,14 @@ class RowReader:
         cache: ShardCache | None = None,
         threads: int = 4,
         verify: bool = True,
+        on_progress: Callable[[], None] | None = None,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.dataset = dataset
         self.cache = cache
         self.verify = verify
+        self.on_progress = on_progress  # called as each shard's part of a read completes
         self._starts = dataset.shard_row_starts
         self._pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="packshard-read")
@@ -69,6 +72,8 @@ class RowReader:
             cols = self._read_cached(shard, local_rows)
         else:
             cols = self.dataset.read_rows_arrays(shard, local_rows, ROW_COLUMNS, verify=self.verify)
+        if self.on_progress is not None:
+            self.on_progress()
         return {
             int(g): row
             for g, row in zip(

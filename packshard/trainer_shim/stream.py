@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -139,11 +141,26 @@ class StreamConfig:
         if self.read_ahead_bytes < 0:
             raise bad("read_ahead_bytes", "must be >= 0")
         stall = self.stall_timeout_s
-        if stall is not None and (
-            isinstance(stall, bool) or not isinstance(stall, (int, float, np.integer, np.floating))
-            or not math.isfinite(stall) or stall <= 0
-        ):  # fmt: skip
-            raise bad("stall_timeout_s", "must be a number of seconds > 0, or None (wait)")
+        if stall is not None:
+            try:
+                seconds = float(stall)
+            except (TypeError, ValueError, OverflowError):
+                seconds = math.nan
+            if isinstance(stall, (bool, np.bool_)) or not isinstance(stall, numbers.Real) or not (
+                math.isfinite(seconds) and seconds > 0
+            ):  # fmt: skip
+                raise bad("stall_timeout_s", "must be a number of seconds > 0, or None (wait)")
+            object.__setattr__(self, "stall_timeout_s", seconds)
+
+
+@dataclass
+class _Progress:
+    """What one iteration's prefetch thread reads now and when it last got anything (a
+    shard's part of a window), for the stall timeout: its own per iteration, as a thread left
+    blocked by an earlier iteration may still finish a read."""
+
+    reading: str | None = None
+    at: float = field(default_factory=time.monotonic)
 
 
 def _is_int(value: Any) -> bool:
@@ -191,8 +208,9 @@ class PackedShardStream:
     `packers.FormatError` naming the file (`DatasetNotFoundError` without a dataset at `url`,
     `StorageError` when the store fails). A read that returns nothing for 60 s is logged (again
     at 120, 240, ... s); with `stall_timeout_s` the iterator raises `StorageError` naming the
-    shards it waits for once that long has passed without a row (a store that accepts
-    connections but stops answering leaves its client library retrying for many minutes).
+    shards it waits for once it has waited that long with no row and no shard's part of a
+    window read (a store that accepts connections but stops answering leaves its client
+    library retrying for many minutes).
     """
 
     def __init__(
@@ -261,7 +279,6 @@ class PackedShardStream:
         self._micro_step = 0
         self._generation = 0
         self._stop: threading.Event | None = None
-        self._reading: str | None = None  # what the prefetch thread reads now (shards)
         self.cache = (
             ShardCache(
                 self.dataset, cache_dir, fingerprint=self.fingerprint, limit_bytes=cache_limit_bytes
@@ -386,44 +403,63 @@ class PackedShardStream:
         generation = self._generation
         stop = threading.Event()
         self._stop = stop
+        progress = _Progress()
         # the queue holds windows of rows read (not built): two windows ahead of the consumer
         q: queue.Queue[Any] = queue.Queue(maxsize=2)
         thread = threading.Thread(
             target=self._produce,
-            args=(self._position, self._micro_step, q, stop),
+            args=(self._position, self._micro_step, q, stop, progress),
             name="packshard-prefetch",
             daemon=True,
         )
         thread.start()  # reading starts at iter(), before the first next()
-        consumer = self._consume(q, stop, thread, generation)
+        consumer = self._consume(q, stop, thread, generation, progress)
         # an iterator dropped before its first next() never runs its finally: stop the thread
         # when it is collected instead
         weakref.finalize(consumer, stop.set)
         return consumer
 
     def _consume(
-        self, q: queue.Queue[Any], stop: threading.Event, thread: threading.Thread, generation: int
+        self,
+        q: queue.Queue[Any],
+        stop: threading.Event,
+        thread: threading.Thread,
+        generation: int,
+        progress: _Progress,
     ) -> Iterator[dict[str, Any]]:
         superseded = "this iteration was stopped (by close(), load_state_dict or a new iter()); iterate the stream again"
         num_rows = self.dataset.num_rows
-        waited, warn_at = 0.0, STALL_WARN_S
         timeout = self.config.stall_timeout_s
+        waiting_since: float | None = None  # while the trainer waits for the next window
+        warn_at = STALL_WARN_S
         try:
             while True:
+                now = time.monotonic()
+                if waiting_since is None:
+                    waiting_since, warn_at = now, STALL_WARN_S
+                wait = 0.5
+                if timeout is not None:  # wake when the timeout would be reached
+                    since = max(waiting_since, progress.at)
+                    wait = min(wait, max(0.01, since + timeout - now))
                 try:
-                    item = q.get(timeout=0.5)
-                    waited, warn_at = 0.0, STALL_WARN_S
+                    item = q.get(timeout=wait)
                 except queue.Empty:
                     item = None
-                    waited += 0.5
-                    if timeout is not None and waited >= timeout and thread.is_alive():
+                if generation != self._generation:
+                    raise RuntimeError(superseded)
+                if item is None:
+                    if not thread.is_alive() and q.empty():
+                        raise RuntimeError("the packshard prefetch thread ended without a result")
+                    now = time.monotonic()
+                    waited, idle = now - waiting_since, now - max(waiting_since, progress.at)
+                    if timeout is not None and idle >= timeout:
                         raise StorageError(
-                            f"PackedShardStream {self.url}: no rows for {waited:.0f} s "
-                            f"(stall_timeout_s={timeout:g}) while reading "
-                            f"{self._reading or 'the next window'}; the store accepts "
-                            "connections but does not answer, or the reads are slower than "
+                            f"PackedShardStream {self.url}: no rows for {waited:.1f} s and no "
+                            f"read progress for {idle:.1f} s (stall_timeout_s={timeout:g}) while "
+                            f"reading {progress.reading or 'the next window'}; the store accepts "
+                            "connections but does not answer, or a read takes longer than "
                             "stall_timeout_s allows"
-                        ) from None
+                        )
                     if waited >= warn_at:
                         warn_at *= 2
                         log.warning(
@@ -432,12 +468,8 @@ class PackedShardStream:
                             "library keeps retrying)",
                             self.url, waited,
                         )  # fmt: skip
-                if generation != self._generation:
-                    raise RuntimeError(superseded)
-                if item is None:
-                    if not thread.is_alive() and q.empty():
-                        raise RuntimeError("the packshard prefetch thread ended without a result")
                     continue
+                waiting_since = None
                 if item is _END:
                     return
                 if isinstance(item, _Failed):
@@ -504,7 +536,12 @@ class PackedShardStream:
         return rows
 
     def _produce(
-        self, start: Position, skip: int, q: queue.Queue[Any], stop: threading.Event
+        self,
+        start: Position,
+        skip: int,
+        q: queue.Queue[Any],
+        stop: threading.Event,
+        progress: _Progress,
     ) -> None:
         """Read this rank's rows a window at a time, ahead of the consumer (which builds the
         micro-batches): I/O overlaps the trainer, and a window's reads run together. Once a
@@ -516,18 +553,19 @@ class PackedShardStream:
             cache=self.cache,
             threads=self.config.read_threads,
             verify=self.config.verify,
+            on_progress=lambda: setattr(progress, "at", time.monotonic()),
         )
         try:
             pending: list[tuple[StepPlan, int, int]] = []
             for item in self._work(start, skip):
                 pending.append(item)
                 if len(pending) >= window:
-                    if not self._put(q, (pending, self._read(reader, pending)), stop):
+                    if not self._put(q, (pending, self._read(reader, pending, progress)), stop):
                         return
                     pending = []
                     if grow and self.cache is not None and self.cache.complete:
                         window, grow = max(window, LOCAL_WINDOW_ROWS), False
-            if pending and not self._put(q, (pending, self._read(reader, pending)), stop):
+            if pending and not self._put(q, (pending, self._read(reader, pending, progress)), stop):
                 return
             self._put(q, _END, stop)
         except BaseException as e:  # delivered to the consumer, in order
@@ -535,18 +573,20 @@ class PackedShardStream:
         finally:
             reader.close()
 
-    def _read(self, reader: RowReader, pending: list[tuple[StepPlan, int, int]]) -> dict[int, Row]:
-        """The window's rows (fillers, row -1, have none); `_reading` names their shards
-        meanwhile, for the stall timeout's message."""
+    def _read(
+        self, reader: RowReader, pending: list[tuple[StepPlan, int, int]], progress: _Progress
+    ) -> dict[int, Row]:
+        """The window's rows (fillers, row -1, have none); `progress.reading` names their
+        shards meanwhile, for the stall timeout's message."""
         rows = np.asarray([r for _, _, r in pending if r >= 0], dtype=np.int64)
         shards = np.unique(np.searchsorted(self.dataset.shard_row_starts, rows, side="right") - 1)
         paths = [self.dataset.shards[int(i)].path for i in shards[:3]]
         more = f" and {shards.size - 3} more" if shards.size > 3 else ""
-        self._reading = f"{rows.size} rows of {', '.join(paths)}{more}"
+        progress.reading = f"{rows.size} rows of {', '.join(paths)}{more}"
         try:
             return reader.read(rows)
         finally:
-            self._reading = None
+            progress.reading = None
 
     def _microbatch(self, row: int, data: Row | None) -> dict[str, Any]:
         c = self.config
