@@ -312,8 +312,7 @@ class PackshardIndexer:
     calls: int = 0  # indexer forwards served
     _ranges: _Ranges | None = field(default=None, repr=False)
     _model: weakref.ref | None = field(default=None, repr=False)
-    _forwards: int = field(default=0, repr=False)  # the routed model's forwards begun
-    _hooks: tuple[Any, ...] = field(default=(), repr=False)  # the model's hooks around them
+    _hooks: tuple[Any, ...] = field(default=(), repr=False)  # around the model's forwards
     _depth: int = field(default=0, repr=False)  # routed forwards in progress
 
     def restore(self) -> None:
@@ -360,7 +359,6 @@ class PackshardIndexer:
             )
 
     def _forward_begins(self, module: nn.Module, args: Any) -> None:
-        self._forwards += 1
         self._depth += 1
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -389,8 +387,7 @@ class PackshardIndexer:
         past = t - s
         pos_id, mask_id = _identity(position_ids), _identity(mask)
         held = tuple(h for h in (pos_id[2], mask_id[2]) if h is not None)
-        forward = self._forwards if held else None
-        key = (b, s, t, str(device), pos_id[1], mask_id[1], forward)
+        key = (b, s, t, str(device), pos_id[1], mask_id[1])
         objs = tuple(o for o in (pos_id[0], mask_id[0]) if o is not None)
         if self._ranges is not None and self._ranges.matches(key, objs):
             return self._ranges.ks, self._ranges.ke
@@ -412,7 +409,7 @@ class PackshardIndexer:
         if device.type == "cuda":
             ks_t, ke_t = ks_t.pin_memory(), ke_t.pin_memory()
         if held and not self._depth:  # outside a hooked forward: nothing marks its end
-            self._ranges = None
+            self._ranges = None  # (inside one, _forward_ends drops them when it returns)
         else:
             self._ranges = _Ranges(key, tuple(weakref.ref(o) for o in objs), ks_t, ke_t, held)
         return ks_t, ke_t

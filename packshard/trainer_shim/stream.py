@@ -142,13 +142,12 @@ class StreamConfig:
             raise bad("read_ahead_bytes", "must be >= 0")
         stall = self.stall_timeout_s
         if stall is not None:
+            real = isinstance(stall, numbers.Real) and not isinstance(stall, (bool, np.bool_))
             try:
-                seconds = float(stall)
-            except (TypeError, ValueError, OverflowError):
-                seconds = math.nan
-            if isinstance(stall, (bool, np.bool_)) or not isinstance(stall, numbers.Real) or not (
-                math.isfinite(seconds) and seconds > 0
-            ):  # fmt: skip
+                seconds = float(stall) if real else math.nan
+            except OverflowError:  # an int beyond any float
+                seconds = math.inf
+            if not (math.isfinite(seconds) and seconds > 0):
                 raise bad("stall_timeout_s", "must be a number of seconds > 0, or None (wait)")
             object.__setattr__(self, "stall_timeout_s", seconds)
 

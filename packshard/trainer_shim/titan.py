@@ -136,8 +136,9 @@ class PackedShardDataLoader(BaseDataLoader):
         read_threads: int = 4
         verify: bool = True
         stall_timeout_s: float | None = None
-        """Seconds without a row before iteration raises StorageError (None: wait, logging
-        every doubling from 60 s): a stalled store then fails the run instead of hanging it."""
+        """Seconds of waiting with no row and no shard read completing before iteration
+        raises StorageError (None: wait, logging every doubling from 60 s): a stalled store
+        then fails the run instead of hanging it."""
 
     def __init__(
         self,
