@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,16 @@ if not _has_cuda():
             "Triton interpreter's bitwise kernel tests need: run pytest without the plugin that "
             "imports numpy, or with OPENBLAS_CORETYPE=Prescott set"
         )
+
+
+# The pack job's driver keeps checked tokenizers in a cache (`pipeline.tokenizer_cache`, by
+# default under ~/.cache). The suite uses a directory of its own instead, never the user's: set
+# here, before any job runs, so that Ray drivers and CLIs in subprocesses share it, and removed
+# when the session ends. Tests of the cache itself point it elsewhere.
+_CACHE = tempfile.mkdtemp(prefix="packshard-test-cache-")
+os.environ["PACKSHARD_CACHE_DIR"] = _CACHE
+os.environ.pop("PACKSHARD_TOKENIZER_CACHE", None)
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -97,10 +97,11 @@ from packshard.pipeline.preflight import has_chat_template, preflight
 from packshard.pipeline.progress import JobProgress, format_summary
 from packshard.pipeline.stats import dataset_stats, format_stats
 from packshard.pipeline.tokenizer_loading import (
+    NO_PAD_TOKEN,
     TokenizerError,
     TokenizerSource,
     load_located,
-    pad_token_id_of,
+    pad_or_eos,
 )
 
 if TYPE_CHECKING:
@@ -200,27 +201,46 @@ class DriverTokenizer:
     encoder: SampleEncoder | None
     info: dict[str, str] | None
     pad_token_id: int
+    cached: bool = False  # from `tokenizer_cache`, without loading it
 
 
 def prepare_tokenizer(cfg: PackConfig, source: TokenizerSource | None) -> DriverTokenizer:
     """Load the tokenizer once, check that packshard renders its chat template exactly like
-    `apply_chat_template`, and that the loss roles exist in it."""
+    `apply_chat_template`, and that the loss roles exist in it. A tokenizer checked before (same
+    files, versions and template arguments) comes from `tokenizer_cache` without transformers."""
     if source is None:
         assert cfg.pad_token_id is not None  # PackConfig requires it without a tokenizer
         return DriverTokenizer(None, None, cfg.pad_token_id)
-    from packshard.pipeline.chat_template import check_renderer, hf_exact_render
+    from packshard.pipeline import tokenizer_cache
     from packshard.pipeline.tokenization import SampleEncoder
 
-    tok = load_located(source, cfg.trust_remote_code)
-    encoder = SampleEncoder(tok, loss_roles=cfg.loss_roles, template_kwargs=cfg.template_kwargs)
-    if encoder.renderer is not None:
-        check_renderer(encoder.renderer, hf_exact_render(tok, cfg.template_kwargs))
+    key = tokenizer_cache.cache_key(source, cfg.trust_remote_code, cfg.template_kwargs)
+    cached = tokenizer_cache.read(key, source.spec) if key else None
+    if cached is not None:
+        payload, tok_pad = cached
+        encoder = SampleEncoder(
+            payload, loss_roles=cfg.loss_roles, template_kwargs=cfg.template_kwargs
+        )
+    else:
+        from packshard.pipeline.chat_template import check_renderer, hf_exact_render
+
+        tok = load_located(source, cfg.trust_remote_code)
+        encoder = SampleEncoder(tok, loss_roles=cfg.loss_roles, template_kwargs=cfg.template_kwargs)
+        if encoder.renderer is not None:
+            check_renderer(encoder.renderer, hf_exact_render(tok, cfg.template_kwargs))
+        tok_pad = pad_or_eos(tok)
+        if key:
+            tokenizer_cache.write(key, encoder.payload, tok_pad)
     if encoder.profile is not None and not set(cfg.loss_roles) & encoder.profile.roles:
         raise TokenizerError(
             f"--loss-roles {','.join(cfg.loss_roles)}: the chat template renders none of them"
         )
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else pad_token_id_of(tok)
-    return DriverTokenizer(encoder, source.manifest_entry(encoder.payload.fingerprint), pad_id)
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else tok_pad
+    if pad_id is None:
+        raise TokenizerError(NO_PAD_TOKEN)
+    return DriverTokenizer(
+        encoder, source.manifest_entry(encoder.payload.fingerprint), pad_id, cached is not None
+    )
 
 
 def _cluster_cpus() -> int:
@@ -269,7 +289,7 @@ def run(cfg: PackConfig) -> int:
             phase("joined the Ray cluster; counting the inputs and warming the workers")
         try:
             tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
-            phase("loaded the tokenizer")
+            phase("loaded the tokenizer" + (" from packshard's cache" if tokenizer.cached else ""))
             if (
                 tokenizer.encoder is not None
                 and not tokenizer.encoder.has_chat_template

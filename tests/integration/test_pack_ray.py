@@ -98,10 +98,13 @@ def _real_args(shared: Path, out: Path, *extra: str) -> list[str]:
 @pytest.mark.shared
 @pytest.mark.slow
 def test_real_data_every_sample_once_with_its_exact_tokens_and_worker_count_changes_nothing(
-    ray_local, shared_data: Path, tmp_path: Path
+    ray_local, shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     from transformers import AutoTokenizer
 
+    import packshard.pipeline.pack as pack
+
+    monkeypatch.setenv("PACKSHARD_CACHE_DIR", str(tmp_path / "cache"))  # the first run loads
     out2, out1 = tmp_path / "w2", tmp_path / "w1"
     assert run(*_real_args(shared_data, out2, "--num-workers", "2")) == 0
     assert verify_dataset(str(out2)) == []
@@ -141,7 +144,9 @@ def test_real_data_every_sample_once_with_its_exact_tokens_and_worker_count_chan
         assert 0 < sum(mask) <= len(mask)
         if "text" in rec:
             assert all(mask)
-    # the same job on one worker writes the same bytes
+    # the same job on one worker writes the same bytes, with the tokenizer from the driver's
+    # cache (loading it again would fail)
+    monkeypatch.setattr(pack, "load_located", lambda *a: pytest.fail("tokenizer not cached"))
     assert run(*_real_args(shared_data, out1, "--num-workers", "1")) == 0
     assert fingerprint(out1) == fingerprint(out2)
 

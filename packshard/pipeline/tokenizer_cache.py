@@ -1,0 +1,189 @@
+"""The driver's tokenizer cache: a checked `TokenizerPayload`, kept on disk, so that a pack job
+with a tokenizer it has seen before skips transformers altogether.
+
+Every pack job's driver is a fresh process (`packshard pack`, or the driver of a ``ray job
+submit``), and loading a tokenizer with `AutoTokenizer` there costs ~2.3 s before any work
+starts: transformers imports torch, then Qwen2.5's vocab.json and merges.txt are converted to
+a Rust tokenizer. What the driver keeps of it is small and deterministic: the payload the
+workers rebuild the tokenizer from, the pad id, and the fact that packshard's chat rendering
+matched `apply_chat_template` on the probe chats. That is what this module stores, one JSON file
+per key under ``$PACKSHARD_CACHE_DIR/tokenizers/`` (default ``~/.cache/packshard``, or
+``$XDG_CACHE_HOME/packshard``). A hit costs ~50 ms and imports neither transformers nor torch.
+
+The key covers everything the cached result depends on, so a hit is what a fresh load would
+give:
+
+- the tokenizer's files: for a directory, the name and bytes of every file in it and in its
+  subdirectories (chat templates live in one), model weights and files over 256 MiB excepted;
+  for a hub tokenizer, its name and the commit it resolved to (a commit's files never change;
+  a revision that is not a commit is not cached);
+- the versions of transformers, tokenizers, jinja2 and huggingface_hub (a conversion or a
+  template feature may change with them), and the bytes of packshard's own rendering code;
+- the chat template keyword arguments (the rendering check depends on them).
+
+Tokenizers loaded with ``trust_remote_code`` (their code may do anything) and the built-in demo
+tokenizer (built in-process) are never cached. A cached file must hold a payload whose
+fingerprint recomputes to the one stored, else it counts as a miss and is rewritten. The cache
+keeps the `MAX_ENTRIES` most recently used files. Reading or writing it never fails a job: an
+unusable directory only means no cache (logged at debug level). ``PACKSHARD_TOKENIZER_CACHE=0``
+turns it off; deleting the directory is always safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from packshard.pipeline.tokenizer_loading import TokenizerPayload, TokenizerSource
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MAX_ENTRIES = 16
+MAX_FILE_BYTES = 256 << 20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")  # fmt: skip
+VERSIONED = ("transformers", "tokenizers", "jinja2", "huggingface_hub")
+# the code whose behaviour a cached result stands for: rendering, masking probes, payloads
+OWN_CODE = ("chat_template.py", "tokenization.py", "tokenizer_loading.py", "tokenizer_cache.py")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def cache_dir() -> Path | None:
+    """Where cached tokenizers go; None when the cache is turned off."""
+    if os.environ.get("PACKSHARD_TOKENIZER_CACHE", "").strip().lower() in (
+        "0",
+        "off",
+        "false",
+        "no",
+    ):
+        return None
+    root = os.environ.get("PACKSHARD_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "packshard")
+    return Path(root) / "tokenizers"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def _hash_directory(h: Any, root: Path) -> None:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        size = path.stat().st_size
+        if name.endswith(WEIGHT_SUFFIXES) or size > MAX_FILE_BYTES:
+            continue
+        h.update(f"\0file {name} {size}\0".encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+
+
+def cache_key(
+    source: TokenizerSource, trust_remote_code: bool, template_kwargs: Mapping[str, Any]
+) -> str | None:
+    """The key of this tokenizer's cached payload; None when it must not be cached."""
+    if trust_remote_code or source.source == "builtin":
+        return None
+    h = hashlib.sha256(f"packshard tokenizer cache {FORMAT}\0".encode())
+    for dist in VERSIONED:
+        h.update(f"{dist}={_version(dist)}\0".encode())
+    here = Path(__file__).resolve().parent
+    for name in OWN_CODE:
+        h.update((here / name).read_bytes())
+    try:
+        h.update(json.dumps(dict(template_kwargs), sort_keys=True).encode())
+    except TypeError:
+        return None  # a keyword argument JSON cannot hold: no stable key
+    if source.source == "hub":
+        if not source.revision or not _COMMIT.fullmatch(source.revision):
+            return None
+        h.update(f"\0hub {source.spec} {source.revision}".encode())
+    else:
+        assert source.path is not None
+        try:
+            _hash_directory(h, Path(source.path))
+        except OSError as e:
+            log.debug("tokenizer cache: cannot read %s (%s); not cached", source.path, e)
+            return None
+    return h.hexdigest()
+
+
+def read(key: str, name: str) -> tuple[TokenizerPayload, int | None] | None:
+    """(payload, pad id) cached under `key`, or None (a miss: absent, unreadable or damaged)."""
+    root = cache_dir()
+    if root is None:
+        return None
+    path = root / f"{key}.json"
+    try:
+        entry = json.loads(path.read_text())
+        if entry.get("format") != FORMAT:
+            return None
+        fields = dict(entry["payload"])
+        fields["special_tokens"] = tuple(fields["special_tokens"])
+        payload = TokenizerPayload(**{**fields, "name": name})
+        pad = entry["pad_token_id"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.debug("tokenizer cache: %s is unusable (%s); loading the tokenizer", path, e)
+        return None
+    if payload.computed_fingerprint() != payload.fingerprint or not (
+        pad is None or isinstance(pad, int)
+    ):
+        log.debug("tokenizer cache: %s does not match its fingerprint; loading the tokenizer", path)
+        return None
+    with contextlib.suppress(OSError):  # a read-only cache still serves hits
+        os.utime(path)  # most recently used
+    return payload, pad
+
+
+def write(key: str, payload: TokenizerPayload, pad_token_id: int | None) -> None:
+    """Store a checked payload (atomically: readers see the old file or the new one)."""
+    root = cache_dir()
+    if root is None:
+        return
+    fields = {f: getattr(payload, f) for f in payload.__dataclass_fields__ if f != "name"}
+    try:
+        text = json.dumps({"format": FORMAT, "payload": fields, "pad_token_id": pad_token_id})
+    except TypeError as e:  # a special token map JSON cannot hold
+        log.debug("tokenizer cache: payload not JSON (%s); not cached", e)
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, root / f"{key}.json")
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        _prune(root)
+    except OSError as e:
+        log.debug("tokenizer cache: cannot write under %s (%s)", root, e)
+
+
+def _prune(root: Path) -> None:
+    """Keep the MAX_ENTRIES most recently used entries."""
+    entries = []
+    for p in root.glob("*.json"):
+        try:
+            entries.append((p.stat().st_mtime, p))
+        except FileNotFoundError:
+            continue  # pruned by another job meanwhile
+    for _, p in sorted(entries, reverse=True)[MAX_ENTRIES:]:
+        p.unlink(missing_ok=True)
