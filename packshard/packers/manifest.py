@@ -40,6 +40,12 @@ MANIFEST_KEYS = ("format", "version", "config", "shards", "totals")
 CONFIG_KEYS = ("seq_len", "pad_multiple", "pad_token_id")
 SHARD_KEYS = ("path", "rows", "num_tokens", "padded_tokens", "loss_tokens", "bytes", "checksum")
 TOTALS_COUNTS = ("rows", "num_tokens", "padded_tokens", "loss_tokens")
+# what the pack job's overlong policy did (written by the job when it cut, split or dropped
+# anything; `packshard stats` prints them): optional, and counts when present
+OVERLONG_COUNTS = (
+    "truncated_samples", "truncated_tokens", "split_samples", "extra_pieces", "dropped_tokens",
+    "lossless_pieces", "lossless_piece_tokens",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,8 @@ def _parse_totals(manifest: dict[str, Any], where: str, shards: list[ShardEntry]
         want = sum(getattr(s, key) for s in shards)
         if got != want:
             raise FormatError(f"{here}: {key} is {got}, but the shards hold {want}")
+    for key in OVERLONG_COUNTS:
+        _int(totals, key, here, optional=True)
     samples_in = _int(totals, "samples_in", here)
     kept = _int(totals, "samples_kept", here)
     dropped = _object(totals, "dropped", here)

@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from packshard._extras import MissingExtraError
 from packshard.packers.arrays import column_numpy
 from packshard.packers.format import (
     INDEX_NAME,
@@ -62,7 +63,7 @@ from packshard.packers.manifest import (
     parse_manifest,
 )
 from packshard.packers.shard_file import LIST_COLUMNS, BatchArrays, LocalShard, RemoteShard, Row
-from packshard.packers.urls import dataset_url, redact_url
+from packshard.packers.urls import dataset_url, redact_text, redact_url
 from packshard.packers.writer import is_local, url_to_fs
 
 BATCH_ARRAYS_KEPT = 256  # record batches kept as numpy views (local: of the map; remote: ~3%)
@@ -96,8 +97,15 @@ class ShardDataset:
         cls, url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
     ) -> ShardDataset:
         url = dataset_url(url)
-        fs, root = url_to_fs(url, storage_options)
         shown = redact_url(url)
+        try:
+            fs, root = url_to_fs(url, storage_options)
+        except ValueError as e:  # fsspec: an unknown protocol, a bad storage option
+            raise StorageError(
+                f"{shown}: cannot open its filesystem ({redact_text(str(e))})"
+            ) from None
+        except ImportError as e:  # its backend (s3fs, gcsfs, ...) is not installed
+            raise MissingExtraError(f"{shown}: {e}", name=getattr(e, "name", None)) from None
         why = unreachable_endpoint(fs)  # at once, not after the client's retries (5-10 s)
         if why is not None:
             raise StorageError(f"{shown}: {why}")

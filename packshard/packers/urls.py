@@ -9,12 +9,15 @@ dataset (`ShardDataset.url` is the redacted URL; its filesystem and root keep th
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 DEMO_SCHEME = "demo://"  # the pack job's built-in generated dataset (pipeline.demo)
 _QUERY_SCHEMES = frozenset({"http", "https"})  # "?" starts a query; elsewhere it may be a glob
 _CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@account
+# a query tail starts with ``key=`` (``s3://b/day=0?/lang=en/*.jsonl`` is a Hive-style glob)
+_QUERY = re.compile(r"[A-Za-z0-9_.~-]+=.*", re.DOTALL)
 # a URL in prose: trailing punctuation (",", ".", ")", ...) belongs to the sentence
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
 
@@ -40,7 +43,8 @@ def redact_url(url: str) -> str:
     User info (``user:password@``) and the query string (a signed URL's ``?X-Amz-Signature=...``,
     ``?sig=...``) are removed: ``http://u:PW@host/x.jsonl?sig=s`` becomes ``http://host/x.jsonl``.
     For ``http(s)://`` everything from ``?`` or ``#`` goes; for other schemes, where fsspec reads
-    ``?`` as a glob character, only a ``?key=value`` tail does (``s3://b/part-?.jsonl`` stays).
+    ``?`` as a glob character, only a tail that starts ``?key=`` does (``s3://b/part-?.jsonl``
+    and ``s3://b/day=0?/lang=en/x.jsonl`` stay).
     Azure's ``abfs://container@account...`` keeps its container (it is no credential). Local
     paths and ``demo://`` URLs (whose query holds the generator's integer parameters) are
     returned unchanged.
@@ -50,7 +54,7 @@ def redact_url(url: str) -> str:
     scheme, _, rest = url.partition("://")
     if scheme.lower() in _QUERY_SCHEMES:
         rest = rest.split("#", 1)[0].split("?", 1)[0]
-    elif "?" in rest and "=" in rest.rsplit("?", 1)[1]:
+    elif "?" in rest and _QUERY.fullmatch(rest.rsplit("?", 1)[1]):
         rest = rest.rsplit("?", 1)[0]
     authority, slash, path = rest.partition("/")
     if scheme.lower() not in _CONTAINER_AT_SCHEMES:
@@ -61,3 +65,14 @@ def redact_url(url: str) -> str:
 def redact_text(text: str) -> str:
     """`text` (an error message, a log line) with every ``scheme://...`` URL in it redacted."""
     return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
+class RedactingFilter(logging.Filter):
+    """Strips credentials from every URL in a log record (`redact_text`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_text(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True

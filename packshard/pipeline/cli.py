@@ -17,6 +17,7 @@ from typing import Any
 
 from packshard._extras import MissingExtraError
 from packshard.packers import FormatError, ShardDataset
+from packshard.packers.urls import RedactingFilter
 from packshard.pipeline.inputs import redact_text, redact_url
 from packshard.pipeline.options import add_storage_option_flag, parse_key_values
 
@@ -86,7 +87,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     if problems:
         for p in problems:
-            print(f"FAIL {p}", file=sys.stderr)
+            print(f"FAIL {redact_text(p)}", file=sys.stderr)
         print(f"verify: {len(problems)} problem(s) in {redact_url(args.url)}", file=sys.stderr)
         return 1
     ds = _open(args)
@@ -135,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         return pack_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # libraries' lines may quote the URL too
+        handler.addFilter(RedactingFilter())
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -84,6 +84,7 @@ if (_MISSING := missing_environment()) is not None:
     raise MissingExtraError(_MISSING, name="packshard.pipeline.pack")
 
 from packshard.packers import FormatError, ShardDataset, finalize_dataset, rows_per_batch_for
+from packshard.packers.urls import RedactingFilter
 from packshard.pipeline.config import PackConfig, config_from_args
 from packshard.pipeline.inputs import InputError, InputFile, redact_text, redact_url
 from packshard.pipeline.jobstate import (
@@ -470,17 +471,6 @@ class _Phases:
         self.last = now
 
 
-class _RedactingFilter(logging.Filter):
-    """Strips credentials from every URL in a log record (`inputs.redact_text`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        redacted = redact_text(message)
-        if redacted != message:
-            record.msg, record.args = redacted, None
-        return True
-
-
 class _StderrHandler(logging.StreamHandler):
     """Writes to the sys.stderr of the moment (a test's capture, a redirected stream)."""
 
@@ -503,7 +493,7 @@ def _setup_logging() -> None:
         return
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(_RedactingFilter())
+    handler.addFilter(RedactingFilter())
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 

@@ -22,15 +22,13 @@ from typing import Any
 import numpy as np
 
 from packshard.packers import ShardDataset
+from packshard.packers.manifest import OVERLONG_COUNTS
 
 SHOWN_EXAMPLES = 5  # skipped records printed by stats and the job's summary
 MAX_EXAMPLES = 20  # skipped records the manifest keeps (scheduler.merge_counters)
 # what the overlong policy did, per shard and in the manifest's totals (pipeline.tasks counts
 # them, scheduler.merge_counters sums them, stats and the job's summary print them)
-OVERLONG_COUNTERS = (
-    "truncated_samples", "truncated_tokens", "split_samples", "extra_pieces", "dropped_tokens",
-    "lossless_pieces", "lossless_piece_tokens",
-)  # fmt: skip
+OVERLONG_COUNTERS = OVERLONG_COUNTS
 
 
 def dataset_stats(ds: ShardDataset) -> dict[str, Any]:

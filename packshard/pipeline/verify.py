@@ -79,7 +79,7 @@ def verify_dataset(
     bar = _progress_bar(ds.num_rows, progress)
     for s, entry in enumerate(ds.shards):
         try:
-            batches = batches_from_bytes(ds.shard_bytes(s), entry, f"{url}/{entry.path}")
+            batches = batches_from_bytes(ds.shard_bytes(s), entry, f"{ds.url}/{entry.path}")
         except FormatError as e:
             problems.append(str(e))
             continue
@@ -87,7 +87,7 @@ def verify_dataset(
         bar.update(entry.rows)
     bar.close()
     if not problems:  # sample accounting is only meaningful once every shard was read whole
-        problems += _check_totals(url, ds, sample_chunks)
+        problems += _check_totals(ds, sample_chunks)
     return problems
 
 
@@ -123,11 +123,11 @@ def _check_rows(
     return problems
 
 
-def _check_totals(url: str, ds: ShardDataset, sample_chunks: list[np.ndarray]) -> list[str]:
+def _check_totals(ds: ShardDataset, sample_chunks: list[np.ndarray]) -> list[str]:
     """Sample accounting (the manifest's own sums were checked when it was opened)."""
     problems = []
     totals = ds.manifest["totals"]
-    where = f"{url}/manifest.json"
+    where = f"{ds.url}/manifest.json"
     ids = np.concatenate(sample_chunks) if sample_chunks else np.zeros(0, np.int64)
     uniq, counts = np.unique(ids, return_counts=True)
     if ds.config.get("overlong") != "split" and (counts > 1).any():

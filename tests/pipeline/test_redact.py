@@ -16,6 +16,8 @@ from packshard.packers.urls import redact_text, redact_url
         ("http://SECRET@host", "http://host"),
         ("s3://AKIA:SECRET@bucket/a.jsonl?versionId=3", "s3://bucket/a.jsonl"),
         ("ftp://u:SECRET@h/data/x.jsonl", "ftp://h/data/x.jsonl"),
+        ("s3://bucket/x.jsonl?token=SE/CRET", "s3://bucket/x.jsonl"),  # a "/" in the value
+        ("s3://bucket/part-?.jsonl?X-Amz-Signature=SECRET", "s3://bucket/part-?.jsonl"),
     ],
 )
 def test_redact_url_strips_user_info_and_query(url: str, expected: str) -> None:
@@ -30,6 +32,7 @@ def test_redact_url_strips_user_info_and_query(url: str, expected: str) -> None:
         "relative/x@y.jsonl",
         "demo://?seed=3&num_math=10",  # the generator's parameters, not a secret
         "s3://bucket/part-?.jsonl",  # a glob character outside any key=value query
+        "s3://bucket/logs/day=0?/lang=en/*.jsonl",  # a Hive-style glob: no key= after the ?
         "s3://bucket/raw/",
         "hf://datasets/org/name@main/train.jsonl",  # a revision, not user info
         "abfs://container@account.dfs.core.windows.net/x.parquet",  # the container, kept

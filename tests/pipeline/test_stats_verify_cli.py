@@ -208,6 +208,41 @@ def test_verify_wrong_samples_kept(dataset, tmp_path, capsys):
     assert "samples_kept is 499" in capsys.readouterr().err
 
 
+def test_verify_prints_no_credentials(capsys):
+    from packshard.packers.writer import url_to_fs
+    from packshard.trainer_shim.synthetic import write_synthetic_dataset
+
+    url = "memory://alice:SECRET@bucket/verify_creds"
+    write_synthetic_dataset(url, lengths=np.full(20, 30), seq_len=64, pad_multiple=4)
+    fs, root = url_to_fs(url)
+    m = json.loads(fs.cat_file(f"{root}/manifest.json"))
+    m["totals"]["samples_kept"] -= 1
+    m["totals"]["dropped"] = {"malformed_json": 1}
+    fs.pipe_file(f"{root}/manifest.json", json.dumps(m).encode())
+    assert main(["verify", "--quiet", url]) == 1
+    err = capsys.readouterr().err
+    assert "samples_kept is 19" in err and "SECRET" not in err and "alice" not in err
+
+
+def test_a_manifest_counter_of_the_wrong_type_fails_every_reader(dataset, tmp_path, capsys):
+    url, _, _ = dataset
+    mp = tmp_path / "ds" / "manifest.json"
+    m = json.loads(mp.read_text())
+    m["totals"]["truncated_samples"] = "3"
+    mp.write_text(json.dumps(m))
+    for command in (["verify", "--quiet"], ["stats"], ["stats", "--json"]):
+        assert main([*command, url]) == 1
+        assert "truncated_samples must be an int >= 0, got '3'" in capsys.readouterr().err
+
+
+def test_an_unknown_protocol_is_one_line(capsys):
+    assert main(["stats", "nosuch://u:SECRET@bucket/ds"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "packshard stats: nosuch://bucket/ds: cannot open its filesystem (Protocol not known: nosuch)"
+    )
+
+
 @pytest.mark.parametrize("overlong", ["truncate", "split"])
 def test_verify_a_sample_in_two_documents(tmp_path, capsys, overlong):
     """Every sample written twice (consistent checksums and totals): a sample in two documents
