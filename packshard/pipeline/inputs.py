@@ -6,9 +6,10 @@ DatasetDict), a bare hub dataset name (``org/name``, listed through ``hf://`` wh
 reachable), or ``demo://`` (the built-in generated dataset, made inside the tasks that read it,
 so nothing travels from the driver). Specs keep their order; globs expand sorted; directories
 list their supported files recursively, sorted. Formats, by extension: ``.jsonl``/``.ndjson``
-(also ``.gz``, ``.zst``), ``.json`` (an array of records, an object holding one list of records,
-or JSON lines), ``.parquet``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC file or stream format,
-detected from the magic bytes), ``.txt`` (one ``{"text": line}`` per line).
+(also ``.gz``, ``.zst``), ``.json`` (an array of records, an object holding one list of record
+objects under a name that is no sample field, one record, or JSON lines), ``.parquet``,
+``.arrow``/``.feather``/``.ipc`` (Arrow IPC file or stream format, detected from the magic
+bytes), ``.txt`` (one ``{"text": line}`` per line).
 
 Each file is recorded with its size and version (ETag, or mtime) so that a resumed job can tell
 whether its inputs changed since it started (`pipeline.jobstate`).
@@ -17,7 +18,8 @@ Secrets: an input URL may carry credentials (``http://user:pw@host/x.jsonl``) or
 (``https://host/x.jsonl?X-Amz-Signature=...``). `InputFile.url` keeps them to read the file;
 everything written or printed uses `redact_url` / `InputFile.display` (no user info, no query),
 and `InputError` redacts its message itself. An http(s) URL's query is never a glob: a signed
-URL reads as one file, and only ``*`` or ``[`` before its ``?`` make a glob.
+URL reads as one file, and only ``*`` or ``[`` before its ``?`` make a glob (whose matches are
+each read with the query).
 """
 
 from __future__ import annotations
@@ -185,7 +187,10 @@ def _resolve_one(
         raise InputError(f"input {spec!r}: {why}")
     try:
         if _is_glob(fs, path):
-            paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
+            # an http(s) glob's query (a token) is no part of the pattern: each match gets it
+            pattern = _without_query(path)
+            query = path[len(pattern) :]
+            paths = sorted(p + query for p in fs.glob(pattern) if fs.isfile(p + query))
             _split_does_not_apply(spec, split, "a glob reads what it matches")
             return _read_and_warn(fs, spec, paths, {p: p for p in paths}, skip_hidden=False)
         if fs.isdir(path):
@@ -225,10 +230,24 @@ def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = Fa
     )
 
 
+def _saved_json(fs: fsspec.AbstractFileSystem, path: str, spec: str) -> dict[str, Any]:
+    """A Hugging Face save_to_disk JSON file (dataset_dict.json, state.json): an object."""
+    name = posixpath.basename(path)
+    try:
+        with fs.open(path, "r") as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"input {spec!r}: its {name} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"input {spec!r}: its {name} holds a {type(doc).__name__}, not an object")
+    return doc
+
+
 def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) -> list[InputFile]:
     if fs.isfile(f"{path}/dataset_dict.json"):
-        with fs.open(f"{path}/dataset_dict.json", "r") as f:
-            splits = json.load(f).get("splits", [])
+        splits = _saved_json(fs, f"{path}/dataset_dict.json", spec).get("splits", [])
+        if not isinstance(splits, list):
+            raise InputError(f"input {spec!r}: dataset_dict.json's splits is not a list")
         if split not in splits:
             raise InputError(
                 f"input {spec!r} is a DatasetDict without split {split!r} (it has {splits}); pass --split"
@@ -237,9 +256,14 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
     if fs.isfile(
         f"{path}/state.json"
     ):  # a Hugging Face save_to_disk dataset: its arrow files, in order
-        with fs.open(f"{path}/state.json", "r") as f:
-            state = json.load(f)
-        names = [d["filename"] for d in state.get("_data_files", [])]
+        files = _saved_json(fs, f"{path}/state.json", spec).get("_data_files", [])
+        if not isinstance(files, list) or not all(
+            isinstance(d, dict) and isinstance(d.get("filename"), str) for d in files
+        ):
+            raise InputError(
+                f'input {spec!r}: state.json\'s _data_files is not a list of {{"filename": ...}}'
+            )
+        names = [d["filename"] for d in files]
         if not names:
             raise InputError(f"input {spec!r}: state.json lists no data files")
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]

@@ -14,7 +14,8 @@ imported (together 3-14 s on a 2-core machine). The checks cost what they read:
   it sits in a glob. A text file whose bytes are compressed (gzip, zstd, xz, bzip2) but whose
   name says plain fails, whatever ``--skip-bad-records`` says. Without ``--skip-bad-records``
   a file whose first record has no sample fields fails too; other bad records are the job's to
-  report, in input order. A file listed twice is packed twice, with a warning, and a directory
+  report, in input order (a first line that does not parse is reported here only when a later
+  file fails: it comes first). A file listed twice is packed twice, with a warning, and a directory
   or glob's files of other types are named in a warning;
 - tokenizer: `tokenizer_loading.locate_tokenizer` (a directory that does not exist, a hub name
   that is offline and not cached, a hub that cannot be reached), without loading it; checked
@@ -161,8 +162,15 @@ def check_inputs(
     file's peek appended to `peeks`, when given). A file listed more than once (the same path
     given twice, overlapping globs) is packed as often as it is listed, with a warning."""
     per_spec = resolve_specs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
+    malformed: list[tuple[str, BadRecord]] = []  # first lines that do not parse, in input order
     for spec, files in zip(cfg.inputs, per_spec, strict=True):
-        looked = _check_spec(cfg, spec, files, chat_template)
+        try:
+            looked = _check_spec(cfg, spec, files, chat_template, malformed)
+        except InputError:
+            if malformed and not cfg.skip_bad_records:  # an earlier file fails the job first
+                location, bad = malformed[0]
+                raise InputError(f"{location}: {bad}") from None
+            raise
         if peeks is not None:
             peeks += looked
     files = [f for found in per_spec for f in found]
@@ -176,7 +184,11 @@ def check_inputs(
 
 
 def _check_spec(
-    cfg: PackConfig, spec: str, files: list[InputFile], chat_template: bool | None
+    cfg: PackConfig,
+    spec: str,
+    files: list[InputFile],
+    chat_template: bool | None,
+    malformed: list[tuple[str, BadRecord]],
 ) -> list[tuple[InputFile, Peek]]:
     if all("://" not in f.url and f.size == 0 for f in files):
         raise InputError(
@@ -192,6 +204,8 @@ def _check_spec(
         )
     for f, look in zip(files, looks, strict=True):
         _check_peek(cfg, f, look, chat_template)
+        if look.first is not None and isinstance(look.first[1], BadRecord):
+            malformed.append((look.first[0], look.first[1]))
     return list(zip(files, looks, strict=True))
 
 

@@ -20,6 +20,8 @@ import functools
 import gzip
 import io
 import json
+import sys
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
@@ -30,7 +32,7 @@ import pyarrow.parquet as pq
 from packshard.packers import url_to_fs
 from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, demo_params
-from packshard.pipeline.samples import BadRecord
+from packshard.pipeline.samples import CANONICAL_FIELDS, BadRecord
 
 STRIDE = 1024
 TEXT_FORMATS = ("jsonl", "txt")
@@ -100,7 +102,7 @@ def count_records(f: InputFile, storage_options: Mapping[str, Any] | None = None
         if f.format in TEXT_FORMATS:
             return _count_lines(f, storage_options)
         if f.format == "json":
-            return _replace(f, records=len(_json_records(f, storage_options)))
+            return _replace(f, records=len(_json_records(f, storage_options)[0]))
         with _open(f, storage_options) as fh:
             if f.format == "parquet":
                 return _replace(f, records=pq.ParquetFile(fh).metadata.num_rows)
@@ -124,10 +126,20 @@ def _unreadable(f: InputFile) -> Iterator[None]:
         yield
     except InputError:
         raise
-    except (OSError, EOFError, pa.ArrowInvalid, ValueError) as e:
+    except (OSError, EOFError, pa.ArrowInvalid, ValueError, *_decompression_errors()) as e:
         raise InputError(
             f"{f.display}: unreadable {f.format} input ({type(e).__name__}: {e})"
         ) from None
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    """What corrupt compressed data raises besides OSError: zlib's error (gzip), and zstandard's
+    (only where it was imported: `_open` imports it for .zst files)."""
+    found: list[type[BaseException]] = [zlib.error]
+    zstd = sys.modules.get("zstandard")
+    if zstd is not None:
+        found.append(zstd.ZstdError)
+    return tuple(found)
 
 
 def _replace(f: InputFile, **changes: Any) -> InputFile:
@@ -149,7 +161,13 @@ def _count_lines(f: InputFile, storage_options: Mapping[str, Any] | None) -> Inp
     return _replace(f, records=records, checkpoints=tuple(checkpoints))
 
 
-def _json_records(f: InputFile, storage_options: Mapping[str, Any] | None) -> list[Any]:
+def _json_records(
+    f: InputFile, storage_options: Mapping[str, Any] | None
+) -> tuple[list[Any], list[int] | None]:
+    """(records, their line numbers) of a .json file: a JSON document (an array of records, an
+    object holding one list of record objects under a name that is no sample field, or one
+    record; line numbers None), or JSON lines, each line a record and a line that does not parse
+    a malformed_json BadRecord, as in .jsonl."""
     with _open(f, storage_options) as fh:
         data = fh.read()
     try:
@@ -159,19 +177,31 @@ def _json_records(f: InputFile, storage_options: Mapping[str, Any] | None) -> li
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        if e.msg == "Extra data":  # JSON lines in a .json file
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        parsed = [_parse_json_line(line) for _, line in lines]
+        objects = sum(isinstance(r, dict) for r in parsed)
+        if e.msg == "Extra data" or (len(lines) > 1 and 2 * objects >= len(lines)):
+            return parsed, [n for n, _ in lines]  # JSON lines in a .json file
         raise InputError(
             f"{f.display}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
     if isinstance(doc, list):
-        return doc
+        return doc, None
     if isinstance(doc, dict):
-        lists = [v for v in doc.values() if isinstance(v, list)]
-        if len(lists) == 1:
-            return lists[0]
-        return [doc]
+        lists = [(k, v) for k, v in doc.items() if isinstance(v, list)]
+        if (
+            len(lists) == 1
+            and lists[0][0] not in CANONICAL_FIELDS  # {"messages": [...]} is one chat
+            and all(isinstance(r, dict) for r in lists[0][1])
+        ):
+            return lists[0][1], None
+        return [doc], None
     raise InputError(f"{f.display}: the JSON document is a {type(doc).__name__}, not records")
+
+
+def _json_location(f: InputFile, i: int, lines: list[int] | None) -> str:
+    """Where record i of a .json file is: its line (JSON lines) or its place in the document."""
+    return f"{f.display}:line {lines[i]}" if lines is not None else f"{f.display}:record {i + 1}"
 
 
 # ---- peeking (the pre-flight check) -----------------------------------------------------
@@ -208,9 +238,10 @@ def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek
                 _refuse_compressed(f, fh.read(MAGIC_BYTES))
             if f.size > PEEK_JSON_MAX:
                 return Peek()
-            recs = _json_records(f, storage_options)
+            recs, lines = _json_records(f, storage_options)
             return Peek(
-                first=(f"{f.display}:record 1", recs[0]) if recs else None, records=len(recs)
+                first=(_json_location(f, 0, lines), recs[0]) if recs else None,
+                records=len(recs),
             )
         if f.format in ("parquet", "arrow", "arrow_stream"):
             with _open(f, storage_options, PEEK_BLOCK) as fh:
@@ -269,12 +300,12 @@ def read_records(
             for i in range(start, stop):
                 yield f"{f.display}:row {i + 1}", recs[i]
         elif f.format == "json":
-            records = _json_records(f, storage_options)
+            records, lines = _json_records(f, storage_options)
             for i in range(start, stop):
-                yield f"{f.display}:record {i + 1}", records[i]
+                yield _json_location(f, i, lines), records[i]
         else:
             yield from _read_table(f, start, stop, storage_options, fields)
-    except (OSError, EOFError, pa.ArrowInvalid) as e:
+    except (OSError, EOFError, pa.ArrowInvalid, *_decompression_errors()) as e:
         raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
 
 
@@ -310,6 +341,11 @@ def _decode_line(line: bytes, fmt: str) -> Any:
     text = text.removeprefix("\ufeff")  # a byte-order mark (a file's first line), as utf-8-sig
     if fmt == "txt":
         return {"text": text.rstrip("\r\n")}
+    return _parse_json_line(text)
+
+
+def _parse_json_line(text: str) -> Any:
+    """One JSON line's record, or a malformed_json BadRecord."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:  # e.msg may end in "at" ("Unterminated string starting at")
@@ -334,7 +370,7 @@ def read_tables(
         raise ValueError(f"{f.display}: {f.format} is not a tabular format {TABLE_FORMATS}")
     try:
         yield from _table_pieces(f, start, stop, storage_options, fields)
-    except (OSError, EOFError, pa.ArrowInvalid) as e:
+    except (OSError, EOFError, pa.ArrowInvalid, *_decompression_errors()) as e:
         raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
 
 

@@ -14,14 +14,22 @@ from typing import Any
 
 
 @contextmanager
-def serving(root: Path) -> Iterator[tuple[str, list[str]]]:
-    """("127.0.0.1:port", the Authorization headers seen, in order) while the block runs."""
+def serving(root: Path, paths: list[str] | None = None) -> Iterator[tuple[str, list[str]]]:
+    """("127.0.0.1:port", the Authorization headers seen, in order) while the block runs; every
+    request's path and query are appended to `paths` when given."""
     seen: list[str] = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
         def do_GET(self) -> None:
             seen.append(self.headers.get("Authorization", ""))
+            if paths is not None:
+                paths.append(self.path)
             super().do_GET()
+
+        def do_HEAD(self) -> None:
+            if paths is not None:
+                paths.append(self.path)
+            super().do_HEAD()
 
         def log_message(self, *args: Any) -> None:
             pass

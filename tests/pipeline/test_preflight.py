@@ -261,6 +261,19 @@ def test_first_record_without_fields_passes_the_check_when_skipping(tmp_path: Pa
         preflight(config_from_args(args(path, out)))
 
 
+def test_an_earlier_malformed_first_line_is_reported_before_a_later_files_error(
+    tmp_path: Path, good: Path
+):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("{not json\n" + json.dumps(CHAT) + "\n")
+    (tmp_path / "in" / "b.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"a\.jsonl:line 1: malformed_json"):
+        preflight(config_from_args(args(tmp_path / "in" / "*.jsonl", out)))
+    # alone, the malformed line is the job's to report (an earlier record may be bad too)
+    preflight(config_from_args(args(tmp_path / "in" / "a.jsonl", out)))
+
+
 def test_output_that_holds_other_files(tmp_path: Path, good: Path):
     out = tmp_path / "mine"
     out.mkdir()

@@ -69,7 +69,7 @@ def test_every_format_reads_every_record_in_order(files: Path, name: str):
     assert [rec["text"] for _, rec in got] == [r["text"] for r in RECORDS]
     unit = (
         "line"
-        if name.endswith((".jsonl", ".gz", ".zst", ".txt"))
+        if name.endswith((".jsonl", ".gz", ".zst", ".txt")) or name == "f.json"  # JSON lines
         else ("row" if name.endswith((".parquet", ".arrow")) else "record")
     )
     assert got[4][0] == f"{files / name}:{unit} 5"
@@ -151,6 +151,45 @@ def test_json_errors_read_as_one_sentence(tmp_path: Path):
     assert [b.reason for b in got] == ["malformed_json", "malformed_json"]
     assert got[0].detail.endswith(" at column 12")  # the message's wording varies by Python
     assert got[1].detail == "Unterminated string starting at column 10"  # not "at at column"
+
+
+def test_a_json_file_holding_one_chat_is_one_record(tmp_path: Path):
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    assert [(loc.rsplit(":", 1)[1], r) for loc, r in _all(str(tmp_path / "chat.json"))] == [
+        ("record 1", chat)
+    ]
+    # an object holding one list of records under another name is a container of them
+    (tmp_path / "data.json").write_text(json.dumps({"data": [chat, chat]}))
+    assert [r for _, r in _all(str(tmp_path / "data.json"))] == [chat, chat]
+
+
+@pytest.mark.parametrize("first", ['{"text": "a"}', "{not json"])
+def test_json_lines_in_a_json_file_are_read_line_by_line(tmp_path: Path, first: str):
+    """A line that does not parse is one malformed record at its own line, as in .jsonl."""
+    p = tmp_path / "lines.json"
+    p.write_text(f'{first}\n\n{{"text": "b"}}\n{{"text": broken}}\n{{"text": "d"}}\n')
+    got = _all(str(p))
+    assert [loc.rsplit(":", 1)[1] for loc, _ in got] == ["line 1", "line 3", "line 4", "line 5"]
+    bad = [isinstance(r, BadRecord) and r.reason == "malformed_json" for _, r in got]
+    assert bad == [first.startswith("{not"), False, True, False]
+
+
+def test_an_http_glob_with_a_query_matches_and_passes_the_query_on(tmp_path: Path):
+    from tests.integration._http import serving
+
+    (tmp_path / "data").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "data" / f"{name}.jsonl").write_bytes(_jsonl(RECORDS[:2]))
+    paths: list[str] = []
+    with serving(tmp_path, paths) as (host, _):
+        files = resolve_inputs([f"http://{host}/data/*.jsonl?token=SECRET"])
+        assert [f.display for f in files] == [f"http://{host}/data/{n}.jsonl" for n in "ab"]
+        paths.clear()
+        assert [r for f in files for _, r in read_records(count_records(f), 0, 2)] == RECORDS[
+            :2
+        ] * 2
+    assert paths and all(p.endswith("?token=SECRET") for p in paths)
 
 
 def test_hf_save_to_disk_directories(tmp_path: Path):
@@ -269,6 +308,26 @@ def test_corrupt_and_unreadable_files_are_named(tmp_path: Path):
     (f,) = resolve_inputs([str(tmp_path / "bad.json")])
     with pytest.raises(InputError, match="not valid JSON at line 1"):
         count_records(f)
+    (tmp_path / "bad.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"not a zstd frame" * 4)
+    (f,) = resolve_inputs([str(tmp_path / "bad.jsonl.zst")])
+    with pytest.raises(InputError, match=r"bad\.jsonl\.zst: unreadable jsonl input \(ZstdError"):
+        count_records(f)
+    (tmp_path / "bad.jsonl.gz").write_bytes(
+        gzip.compress(b'{"text": "x"}\n' * 50)[:-30] + b"x" * 30
+    )
+    (f,) = resolve_inputs([str(tmp_path / "bad.jsonl.gz")])
+    with pytest.raises(InputError, match=r"bad\.jsonl\.gz: unreadable jsonl input"):
+        count_records(f)
+    for name, text, match in [
+        ("dataset_dict.json", '{"splits": ["train",', "its dataset_dict.json is not valid JSON"),
+        ("state.json", '{"_data_files": [{"name": "x.arrow"}]}', "_data_files is not a list"),
+        ("state.json", "[]", "its state.json holds a list, not an object"),
+    ]:
+        saved = tmp_path / f"saved_{len(name)}_{len(text)}"
+        saved.mkdir()
+        (saved / name).write_text(text)
+        with pytest.raises(InputError, match=match):
+            resolve_inputs([str(saved)])
     locked = tmp_path / "locked.jsonl"
     locked.write_text('{"text": "x"}\n')
     (f,) = resolve_inputs([str(locked)])
