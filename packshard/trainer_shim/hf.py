@@ -20,9 +20,11 @@ cache switches that detection off.
 
 Topology. DP rank and size come from torch.distributed when it is initialised (accelerate does
 it when TrainingArguments are built), else from the launcher's RANK / WORLD_SIZE, else 0 / 1.
-Ranks that hold the same rows under accelerate's `ParallelismConfig` (tensor, context or
-sequence parallel: accelerate splits their batch itself) share a DP rank:
-``dp_rank = rank // (tp * cp * sp)``. Accelerate's torch context parallelism (accelerate 1.10+)
+Ranks that hold the same rows under accelerate's `ParallelismConfig` (tensor and context
+parallel: accelerate splits their batch itself) share a DP rank: ``dp_rank = rank // (tp * cp)``
+without sequence parallelism. DeepSpeed's sequence parallelism (``sp_backend='deepspeed'``)
+wants a different batch on each SP rank (its Ulysses adapter gathers one from every SP rank and
+trains them in turn), so SP ranks read rows of their own: ``dp_size = world / (tp * cp)``. Accelerate's torch context parallelism (accelerate 1.10+)
 replaces the attention mask by ``is_causal``, so packed documents would attend to each other:
 the dataset refuses it unless ``allow_cross_document_attention=True`` (packshard's own CP is
 `PackedShardStream(cp_size=...)` with a document-masked attention). The topology is read at
@@ -149,6 +151,10 @@ class StreamStateCallback(TrainerCallback):
                 "them, which fails for packed rows of different lengths: pass "
                 "TrainingArguments(accelerator_config={'dispatch_batches': False})"
             )
+        for _ in range(3):  # DeepSpeed's Ulysses SP adapter holds the loader as `.dl`
+            if dataloader is None or hasattr(dataloader, "dataset"):
+                break
+            dataloader = getattr(dataloader, "dl", None)
         shard = getattr(dataloader, "dataset", None)
         if isinstance(shard, IterableDatasetShard) and shard.dataset is self.dataset:
             if shard.num_processes > 1:
@@ -171,6 +177,9 @@ class StreamStateCallback(TrainerCallback):
             raise ValueError(
                 "PackedShardDataset prefetches in a thread: set dataloader_num_workers=0"
             )
+        # Trainer may have set up tensor parallelism since the dataset was built (a model loaded
+        # with tp_size, TrainingArguments(parallelism_config=...)): the DP topology of now
+        self.dataset._ensure_topology()
         self._unshard(train_dataloader, args.world_size)
         self._per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
         step = state.global_step

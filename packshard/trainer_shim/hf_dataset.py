@@ -63,14 +63,17 @@ class PackedRow(Mapping[str, Any]):
 
 
 def topology_for(rank: int, world: int, *, tp: int = 1, cp: int = 1, sp: int = 1) -> Topology:
-    """DP rank and size of global `rank` under accelerate's mesh order (dp_replicate, dp_shard,
-    cp, sp, tp; tp fastest): the ranks of one (cp, sp, tp) group share a DP rank."""
+    """The data-parallel rank and size of global `rank` under accelerate's mesh order
+    (dp_replicate, dp_shard, cp, sp, tp; tp fastest). The ranks of one (cp, tp) group read the
+    same rows; sequence-parallel ranks read different rows (DeepSpeed's Ulysses adapter gathers
+    one batch from each SP rank and trains them in turn), so each (dp, sp) pair is a data rank."""
     group = tp * cp * sp
-    if group < 1 or world % group:
+    if min(tp, cp, sp) < 1 or world % group:
         raise ValueError(
             f"world size {world} is not a multiple of tp*cp*sp = {tp}*{cp}*{sp} = {group}"
         )
-    return Topology(dp_rank=rank // group, dp_size=world // group)
+    dp_index, sp_index = rank // group, (rank // tp) % sp
+    return Topology(dp_rank=dp_index * sp + sp_index, dp_size=world // (tp * cp))
 
 
 def _parallel_sizes() -> tuple[int, int, int, str]:

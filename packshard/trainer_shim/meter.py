@@ -1,7 +1,7 @@
 """Trained-token throughput: what the DP group really trained on per second, not seq_len x rows.
 
 `TrainedTokenMeter` is fed every micro-batch (`update(mb)`: whole-row counts, plain ints, no
-device sync) and closed once per optimizer step (`step()`), which all-gathers a 7-number
+device sync) and closed once per optimizer step (`step()`), which all-gathers an 8-number
 vector per rank over the process group (default: the world) when torch.distributed is
 initialised. Contributions are de-duplicated by dp_rank, so the CP ranks of a DP group, which
 all see the same row, count it once, whatever group is used. It reports per step:

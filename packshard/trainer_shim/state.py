@@ -16,7 +16,8 @@ micro-batches of step ``step`` already handed out.
 
 Resuming rules (`check_resume`):
 - the dataset fingerprint (the manifest's index checksum) and row count must match, and so
-  must seed and shuffle (they fix the row order): otherwise ValueError saying what differs;
+  must shuffle, and with shuffling the seed (they fix the row order): otherwise ValueError
+  saying what differs;
 - at a step boundary (``micro_step == 0``) dp_size, rows_per_step, balance, the cost model and
   the CP topology may all change (elastic resume): the remaining rows of the epoch are
   re-partitioned, none skipped or repeated;
@@ -121,7 +122,7 @@ def check_resume(saved: StreamState, current: StreamState) -> None:
             f"the stream reads fingerprint {current.fingerprint}, {current.num_rows} rows. "
             "Resume on the dataset the run started with, or start the stream fresh."
         )
-    for name in ("seed", "shuffle"):
+    for name in ("seed", "shuffle") if saved.shuffle else ("shuffle",):  # no shuffle: no seed
         a, b = getattr(saved, name), getattr(current, name)
         if a != b:
             raise ValueError(

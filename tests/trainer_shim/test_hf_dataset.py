@@ -97,6 +97,16 @@ def test_topology_follows_accelerates_mesh_order(
     assert (t.dp_rank, t.dp_size) == (3, 4)
     with pytest.raises(ValueError, match="multiple"):
         topology_for(0, 6, cp=4)
+    # DeepSpeed's sequence-parallel ranks each read rows of their own (its Ulysses adapter
+    # gathers one batch from every SP rank); with tp=2 the TP pairs still share: mesh (dp 2,
+    # sp 2, tp 2), rank = (dp * 2 + sp) * 2 + tp
+    assert [topology_for(r, 8, sp=2, tp=2).dp_rank for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert {topology_for(r, 8, sp=2, tp=2).dp_size for r in range(8)} == {4}
+    # with cp as well (mesh dp, cp, sp, tp): the cp ranks of one (dp, sp) share rows
+    grid = [(topology_for(r, 16, cp=2, sp=2, tp=2).dp_rank, r) for r in range(16)]
+    for r in range(16):
+        dp, cp, sp = r // 8, (r // 4) % 2, (r // 2) % 2
+        assert grid[r][0] == dp * 2 + sp, (r, cp)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
@@ -159,6 +169,43 @@ def test_accelerates_iterable_shard_is_undone_by_the_callback(small_dataset: Pat
         ]
         assert rank_rows(rank, fix=True) == own
         assert len(rank_rows(rank, fix=False)) < len(own)  # accelerate alone drops rows
+
+
+def test_the_callback_sees_tensor_parallelism_set_up_after_the_dataset(
+    small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Trainer sets up TP (a model loaded with tp_size, a ParallelismConfig) after the dataset
+    is built: at on_train_begin the two TP ranks are one DP rank, for the meter, the size check
+    and a resumed state alike."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("PARALLELISM_CONFIG_TP_SIZE", raising=False)
+    ds = PackedShardDataset(str(small_dataset), rows_per_rank=2)
+    assert (ds.topology.dp_rank, ds.topology.dp_size) == (1, 2)
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    callback = StreamStateCallback(ds)
+    args = SimpleNamespace(
+        n_gpu=1, dataloader_num_workers=0, world_size=2, per_device_train_batch_size=1,
+        gradient_accumulation_steps=2, ignore_data_skip=False,
+    )  # fmt: skip
+    rows = ShardDataset.open(str(small_dataset)).num_rows
+    state = SimpleNamespace(global_step=0, stateful_callbacks={}, max_steps=rows // 2)
+    callback.on_train_begin(args, state, None)  # a DP size of 2 would hold rows // 2 items
+    assert (ds.topology.dp_rank, ds.topology.dp_size) == (0, 1)
+    assert callback.meter is not None and callback.meter.dp_rank == 0
+
+
+def test_the_callback_finds_accelerates_shard_inside_an_sp_adapter(small_dataset: Path):
+    """DeepSpeed's Ulysses SP adapter wraps the prepared loader and holds it as `.dl`."""
+    from accelerate.data_loader import prepare_data_loader
+
+    ds = PackedShardDataset(str(small_dataset), dp_rank=0, dp_size=2, rows_per_rank=2)
+    dl = prepare_data_loader(
+        DataLoader(ds, batch_size=1, collate_fn=packed_collator), num_processes=2,
+        process_index=0, dispatch_batches=False, put_on_device=False,
+    )  # fmt: skip
+    StreamStateCallback(ds)._unshard(SimpleNamespace(dl=dl), world=2)
+    assert dl.dataset.num_processes == 1
 
 
 def test_positions_after_items_are_kept_for_the_callback(small_dataset: Path):

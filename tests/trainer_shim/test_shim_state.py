@@ -114,6 +114,14 @@ def test_refuses_other_dataset_and_other_order(small_dataset: Path, tmp_path: Pa
         stream(small_dataset, seed=5).load_state_dict(state)
     with pytest.raises(ValueError, match=r"shuffle=True but the stream has shuffle=False"):
         stream(small_dataset, shuffle=False).load_state_dict(state)
+    # without shuffling the seed orders nothing: a state resumes under any seed, exactly
+    plain = stream(small_dataset, shuffle=False)
+    it = iter(plain)
+    head = [next(it) for _ in range(5)]
+    other_seed = stream(small_dataset, shuffle=False, seed=5)
+    other_seed.load_state_dict(plain.state_dict())
+    full = list(stream(small_dataset, shuffle=False))
+    assert all(same(a, b) for a, b in zip(head + list(other_seed), full, strict=True))
     with pytest.raises(ValueError, match="version 99 is not known"):
         stream(small_dataset).load_state_dict({**state, "version": 99})
     with pytest.raises(ValueError, match="not a PackedShardStream state"):
