@@ -14,7 +14,8 @@ The key covers everything the cached result depends on, so a hit is what a fresh
 give:
 
 - the tokenizer's files: for a directory, the name and bytes of every file in it and in its
-  subdirectories (chat templates live in one), model weights and files over 256 MiB excepted;
+  subdirectories (chat templates live in one), model weights and files over 256 MiB excepted
+  (a directory with more than 1,000 such files or 512 MiB of them is not cached);
   for a hub tokenizer, its name and the commit it resolved to (a commit's files never change;
   a revision that is not a commit is not cached);
 - the versions of transformers, tokenizers, jinja2 and huggingface_hub (a conversion or a
@@ -49,7 +50,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 MAX_ENTRIES = 16
-MAX_FILE_BYTES = 256 << 20
+MAX_FILE_BYTES = 256 << 20  # a file this large is no tokenizer file (a dataset, a checkpoint)
+MAX_HASHED_FILES, MAX_HASHED_BYTES = 1000, 512 << 20  # beyond these: not cached
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")  # fmt: skip
 VERSIONED = ("transformers", "tokenizers", "jinja2", "huggingface_hub")
 # the code whose behaviour a cached result stands for: rendering, masking probes, payloads
@@ -80,16 +82,22 @@ def _version(dist: str) -> str:
         return "-"
 
 
-def _hash_directory(h: Any, root: Path) -> None:
+def _hash_directory(h: Any, root: Path) -> bool:
+    """Hash the directory's files (weights excepted); False, hashing nothing, when it holds
+    more than MAX_HASHED_FILES or MAX_HASHED_BYTES of them (a tree that is no tokenizer's)."""
+    files = []
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        name = path.relative_to(root).as_posix()
-        size = path.stat().st_size
-        if name.endswith(WEIGHT_SUFFIXES) or size > MAX_FILE_BYTES:
-            continue
+        name, size = path.relative_to(root).as_posix(), path.stat().st_size
+        if not name.endswith(WEIGHT_SUFFIXES) and size <= MAX_FILE_BYTES:
+            files.append((path, name, size))
+    if len(files) > MAX_HASHED_FILES or sum(size for *_, size in files) > MAX_HASHED_BYTES:
+        return False
+    for path, name, size in files:
         h.update(f"\0file {name} {size}\0".encode())
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
+    return True
 
 
 def cache_key(
@@ -115,7 +123,9 @@ def cache_key(
     else:
         assert source.path is not None
         try:
-            _hash_directory(h, Path(source.path))
+            if not _hash_directory(h, Path(source.path)):
+                log.debug("tokenizer cache: %s holds too much to hash; not cached", source.path)
+                return None
         except OSError as e:
             log.debug("tokenizer cache: cannot read %s (%s); not cached", source.path, e)
             return None

@@ -133,6 +133,9 @@ def test_changed_files_versions_or_template_arguments_miss(
     assert tokenizer_cache.cache_key(hub, False, {}) is None
     commit = TokenizerSource("Qwen/Qwen3-8B", "hub", revision="a" * 40)
     assert tokenizer_cache.cache_key(commit, False, {}) is not None
+    # nor a directory too large to be a tokenizer's (a model tree with checkpoints, data)
+    monkeypatch.setattr(tokenizer_cache, "MAX_HASHED_FILES", 2)
+    assert tokenizer_cache.cache_key(src, False, {}) is None
 
 
 def test_an_edited_template_is_loaded_again(cache: Path, tok_dir: Path):
