@@ -252,11 +252,16 @@ def _cluster_cpus() -> int:
 
 def _start_counting(cfg: PackConfig, files: list[InputFile]) -> InputCounter:
     """Count the inputs on Ray, after one `warm_up` task per worker the job will use."""
+    from packshard.pipeline.samples import source_fields
     from packshard.pipeline.scheduler import InputCounter
 
     cpus = _cluster_cpus()
     return InputCounter(
-        files, cfg.storage_options, 2 * cpus, warm_workers=min(cfg.num_workers or cpus, cpus)
+        files,
+        cfg.storage_options,
+        2 * cpus,
+        warm_workers=min(cfg.num_workers or cpus, cpus),
+        sample_fields=source_fields(cfg.columns),
     )
 
 

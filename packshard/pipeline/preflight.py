@@ -47,7 +47,7 @@ from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, resolve_specs
 from packshard.pipeline.jobstate import OutputError, check_output
 from packshard.pipeline.readers import Peek, peek
-from packshard.pipeline.samples import BadRecord, Chat, column_problem, to_sample
+from packshard.pipeline.samples import BadRecord, Chat, column_problem, source_fields, to_sample
 from packshard.pipeline.tokenizer_loading import TokenizerSource, locate_tokenizer
 
 if TYPE_CHECKING:
@@ -196,7 +196,7 @@ def _check_spec(
         )
     if files[0].format == "demo":
         return []
-    looks = _peek_all(files, cfg.storage_options)
+    looks = _peek_all(files, cfg)
     if all(look.records == 0 for look in looks):
         raise InputError(
             f"input {spec!r} holds no records"
@@ -209,14 +209,15 @@ def _check_spec(
     return list(zip(files, looks, strict=True))
 
 
-def _peek_all(files: list[InputFile], storage_options: Any) -> list[Peek]:
+def _peek_all(files: list[InputFile], cfg: PackConfig) -> list[Peek]:
     """`readers.peek` of every file, PEEK_THREADS at a time (a footer or a first line each:
     one small read, so a remote glob of hundreds of files takes a few request latencies). The
     first unreadable file in input order raises."""
+    fields = source_fields(cfg.columns)
     if len(files) == 1:
-        return [peek(files[0], storage_options)]
+        return [peek(files[0], cfg.storage_options, fields)]
     with ThreadPoolExecutor(min(PEEK_THREADS, len(files))) as pool:
-        futures = [pool.submit(peek, f, storage_options) for f in files]
+        futures = [pool.submit(peek, f, cfg.storage_options, fields) for f in files]
         return [future.result() for future in futures]
 
 

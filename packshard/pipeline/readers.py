@@ -22,7 +22,7 @@ import io
 import json
 import sys
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
@@ -94,15 +94,21 @@ def _open(
     return raw
 
 
-def count_records(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> InputFile:
-    """`f` with `records` (and `checkpoints` for seekable text files) filled in."""
+def count_records(
+    f: InputFile,
+    storage_options: Mapping[str, Any] | None = None,
+    sample_fields: Collection[str] = CANONICAL_FIELDS,
+) -> InputFile:
+    """`f` with `records` (and `checkpoints` for seekable text files) filled in. `sample_fields`:
+    the raw names of sample fields (`samples.source_fields` of the column mapping), which tell a
+    .json file holding one record from one holding a list of them (`_json_records`)."""
     if f.records >= 0:
         return f
     with _unreadable(f):
         if f.format in TEXT_FORMATS:
             return _count_lines(f, storage_options)
         if f.format == "json":
-            return _replace(f, records=len(_json_records(f, storage_options)[0]))
+            return _replace(f, records=len(_json_records(f, storage_options, sample_fields)[0]))
         with _open(f, storage_options) as fh:
             if f.format == "parquet":
                 return _replace(f, records=pq.ParquetFile(fh).metadata.num_rows)
@@ -162,12 +168,13 @@ def _count_lines(f: InputFile, storage_options: Mapping[str, Any] | None) -> Inp
 
 
 def _json_records(
-    f: InputFile, storage_options: Mapping[str, Any] | None
+    f: InputFile, storage_options: Mapping[str, Any] | None, sample_fields: Collection[str]
 ) -> tuple[list[Any], list[int] | None]:
     """(records, their line numbers) of a .json file: a JSON document (an array of records, an
-    object holding one list of record objects under a name that is no sample field, or one
-    record; line numbers None), or JSON lines, each line a record and a line that does not parse
-    a malformed_json BadRecord, as in .jsonl."""
+    object holding one list of record objects under a name that is none of `sample_fields`, or
+    one record; line numbers None), or JSON lines (a document that does not parse, most of whose
+    lines are objects: each line a record, one that does not parse a malformed_json BadRecord,
+    as in .jsonl)."""
     with _open(f, storage_options) as fh:
         data = fh.read()
     try:
@@ -177,10 +184,11 @@ def _json_records(
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        # "\n" only: U+2028 and friends may stand raw inside JSON strings (str.splitlines
+        # would cut there), and "\r" before it is whitespace to json.loads
+        lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
         parsed = [_parse_json_line(line) for _, line in lines]
-        objects = sum(isinstance(r, dict) for r in parsed)
-        if e.msg == "Extra data" or (len(lines) > 1 and 2 * objects >= len(lines)):
+        if len(lines) > 1 and 2 * sum(isinstance(r, dict) for r in parsed) > len(lines):
             return parsed, [n for n, _ in lines]  # JSON lines in a .json file
         raise InputError(
             f"{f.display}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
@@ -191,7 +199,7 @@ def _json_records(
         lists = [(k, v) for k, v in doc.items() if isinstance(v, list)]
         if (
             len(lists) == 1
-            and lists[0][0] not in CANONICAL_FIELDS  # {"messages": [...]} is one chat
+            and lists[0][0] not in sample_fields  # {"messages": [...]} is one chat
             and all(isinstance(r, dict) for r in lists[0][1])
         ):
             return lists[0][1], None
@@ -220,8 +228,13 @@ class Peek:
     records: int | None = None
 
 
-def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek:
-    """Columns / first record of `f`, reading a footer or the first lines (InputError if unreadable)."""
+def peek(
+    f: InputFile,
+    storage_options: Mapping[str, Any] | None = None,
+    sample_fields: Collection[str] = CANONICAL_FIELDS,
+) -> Peek:
+    """Columns / first record of `f`, reading a footer or the first lines (InputError if
+    unreadable); `sample_fields` as in `count_records`."""
     with _unreadable(f):
         if f.format in TEXT_FORMATS:
             with _open(f, storage_options, PEEK_BLOCK) as fh:
@@ -238,7 +251,7 @@ def peek(f: InputFile, storage_options: Mapping[str, Any] | None = None) -> Peek
                 _refuse_compressed(f, fh.read(MAGIC_BYTES))
             if f.size > PEEK_JSON_MAX:
                 return Peek()
-            recs, lines = _json_records(f, storage_options)
+            recs, lines = _json_records(f, storage_options, sample_fields)
             return Peek(
                 first=(_json_location(f, 0, lines), recs[0]) if recs else None,
                 records=len(recs),
@@ -285,9 +298,11 @@ def read_records(
     *,
     storage_options: Mapping[str, Any] | None = None,
     fields: Sequence[str] | None = None,
+    sample_fields: Collection[str] = CANONICAL_FIELDS,
 ) -> Iterator[Record]:
     """Records [start, stop) of a counted file, with their locations; undecodable records come
-    as BadRecord (invalid_utf8, malformed_json). `fields` projects columnar formats."""
+    as BadRecord (invalid_utf8, malformed_json). `fields` projects columnar formats;
+    `sample_fields` as in `count_records` (the same, or the counts would disagree)."""
     if not 0 <= start <= stop <= f.records:
         raise ValueError(f"{f.display}: records [{start}, {stop}) outside [0, {f.records})")
     if start == stop:
@@ -300,7 +315,7 @@ def read_records(
             for i in range(start, stop):
                 yield f"{f.display}:row {i + 1}", recs[i]
         elif f.format == "json":
-            records, lines = _json_records(f, storage_options)
+            records, lines = _json_records(f, storage_options, sample_fields)
             for i in range(start, stop):
                 yield _json_location(f, i, lines), records[i]
         else:

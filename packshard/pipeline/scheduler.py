@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ import ray
 from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
-from packshard.pipeline.samples import POLICY_DROPS
+from packshard.pipeline.samples import CANONICAL_FIELDS, POLICY_DROPS
 from packshard.pipeline.stats import OVERLONG_COUNTERS
 from packshard.pipeline.tasks import (
     BlockData,
@@ -162,9 +163,11 @@ class InputCounter:
         storage_options: Any,
         max_in_flight: int,
         warm_workers: int = 0,
+        sample_fields: Sequence[str] = CANONICAL_FIELDS,
     ) -> None:
         self.files = list(files)
         self.storage_options = storage_options
+        self.sample_fields = list(sample_fields)
         self.max_in_flight = max(1, max_in_flight)
         self.todo = [i for i, f in enumerate(files) if f.records < 0]
         self.pending: dict[Any, int] = {}
@@ -175,7 +178,9 @@ class InputCounter:
     def _submit(self) -> None:
         while self.todo and len(self.pending) < self.max_in_flight:
             i = self.todo.pop(0)
-            self.pending[count_remote.remote(self.files[i], self.storage_options)] = i
+            self.pending[
+                count_remote.remote(self.files[i], self.storage_options, self.sample_fields)
+            ] = i
 
     def result(self, stop: StopFlag) -> list[InputFile]:
         """The files with their record counts (already-counted files pass through)."""

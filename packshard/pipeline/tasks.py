@@ -296,7 +296,12 @@ def tokenize_block(
     locations: list[str] = []
     samples: list[Any] = []
     for location, record in read_records(
-        file, start, stop, storage_options=spec.storage_options, fields=fields
+        file,
+        start,
+        stop,
+        storage_options=spec.storage_options,
+        fields=fields,
+        sample_fields=source_fields(spec.columns),
     ):
         locations.append(location)
         if isinstance(record, BadRecord):

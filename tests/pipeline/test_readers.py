@@ -14,7 +14,7 @@ import zstandard
 from packshard.pipeline import readers
 from packshard.pipeline.inputs import InputError, resolve_inputs
 from packshard.pipeline.readers import count_records, read_records
-from packshard.pipeline.samples import BadRecord
+from packshard.pipeline.samples import BadRecord, source_fields
 
 RECORDS = [{"text": f"doc {i}", "n": i} for i in range(23)]
 
@@ -162,17 +162,42 @@ def test_a_json_file_holding_one_chat_is_one_record(tmp_path: Path):
     # an object holding one list of records under another name is a container of them
     (tmp_path / "data.json").write_text(json.dumps({"data": [chat, chat]}))
     assert [r for _, r in _all(str(tmp_path / "data.json"))] == [chat, chat]
+    # under --columns messages=conversations, "conversations" is the sample field
+    (tmp_path / "sharegpt.json").write_text(json.dumps({"conversations": chat["messages"]}))
+    fields = source_fields({"messages": "conversations"})
+    (f,) = resolve_inputs([str(tmp_path / "sharegpt.json")])
+    f = count_records(f, sample_fields=fields)
+    assert f.records == 1
+    assert [r for _, r in read_records(f, 0, 1, sample_fields=fields)] == [
+        {"conversations": chat["messages"]}
+    ]
 
 
 @pytest.mark.parametrize("first", ['{"text": "a"}', "{not json"])
 def test_json_lines_in_a_json_file_are_read_line_by_line(tmp_path: Path, first: str):
-    """A line that does not parse is one malformed record at its own line, as in .jsonl."""
+    """A line that does not parse is one malformed record at its own line, as in .jsonl; a
+    line separator that JSON allows inside strings (U+2028) splits nothing."""
     p = tmp_path / "lines.json"
-    p.write_text(f'{first}\n\n{{"text": "b"}}\n{{"text": broken}}\n{{"text": "d"}}\n')
+    p.write_text(
+        f'{first}\n\n{{"text": "b\u2028c"}}\n{{"text": broken}}\n{{"text": "d"}}\n{{"text": "e"}}\n',
+        encoding="utf-8",
+    )
     got = _all(str(p))
-    assert [loc.rsplit(":", 1)[1] for loc, _ in got] == ["line 1", "line 3", "line 4", "line 5"]
+    assert [loc.rsplit(":", 1)[1] for loc, _ in got] == [f"line {n}" for n in (1, 3, 4, 5, 6)]
     bad = [isinstance(r, BadRecord) and r.reason == "malformed_json" for _, r in got]
-    assert bad == [first.startswith("{not"), False, True, False]
+    assert bad == [first.startswith("{not"), False, True, False, False]
+    assert got[1][1] == {"text": "b\u2028c"}
+
+
+def test_a_broken_json_document_is_not_taken_for_json_lines(tmp_path: Path):
+    p = tmp_path / "array.json"  # an array missing its commas: one error, where it is
+    p.write_text('[\n{"text": "a"}\n{"text": "b"}\n]\n')
+    with pytest.raises(InputError, match="not valid JSON at line 3"):
+        _all(str(p))
+    p = tmp_path / "pretty.json"  # pretty-printed objects one after another: no JSON lines
+    p.write_text('{\n  "text": "a"\n}\n{\n  "text": "b"\n}\n')
+    with pytest.raises(InputError, match="not valid JSON at line 4"):
+        _all(str(p))
 
 
 def test_an_http_glob_with_a_query_matches_and_passes_the_query_on(tmp_path: Path):
