@@ -18,13 +18,15 @@ give:
   (a directory with more than 1,000 such files or 512 MiB of them is not cached);
   for a hub tokenizer, its name and the commit it resolved to (a commit's files never change;
   a revision that is not a commit is not cached);
-- the versions of transformers, tokenizers, jinja2 and huggingface_hub (a conversion or a
-  template feature may change with them), and the bytes of packshard's own rendering code;
+- the versions of transformers, tokenizers, jinja2, huggingface_hub and of the converters
+  (sentencepiece, protobuf, tiktoken; a conversion or a template feature may change with them),
+  and the bytes of packshard's own rendering code;
 - the chat template keyword arguments (the rendering check depends on them).
 
 Tokenizers loaded with ``trust_remote_code`` (their code may do anything) and the built-in demo
-tokenizer (built in-process) are never cached. A cached file must hold a payload whose
-fingerprint recomputes to the one stored, else it counts as a miss and is rewritten. The cache
+tokenizer (built in-process) are never cached. A cached file must match the sha256 stored in
+it and hold a payload whose fingerprint recomputes to its own, else it counts as a miss and is
+rewritten. The cache
 keeps the `MAX_ENTRIES` most recently used files. Reading or writing it never fails a job: an
 unusable directory only means no cache (logged at debug level). ``PACKSHARD_TOKENIZER_CACHE=0``
 turns it off; deleting the directory is always safe.
@@ -53,7 +55,11 @@ MAX_ENTRIES = 16
 MAX_FILE_BYTES = 256 << 20  # a file this large is no tokenizer file (a dataset, a checkpoint)
 MAX_HASHED_FILES, MAX_HASHED_BYTES = 1000, 512 << 20  # beyond these: not cached
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")  # fmt: skip
-VERSIONED = ("transformers", "tokenizers", "jinja2", "huggingface_hub")
+# the libraries that load, convert (slow to fast: sentencepiece, protobuf, tiktoken) or render
+VERSIONED = (
+    "transformers", "tokenizers", "jinja2", "huggingface_hub", "sentencepiece", "protobuf",
+    "tiktoken",
+)  # fmt: skip
 # the code whose behaviour a cached result stands for: rendering, masking probes, payloads
 OWN_CODE = ("chat_template.py", "tokenization.py", "tokenizer_loading.py", "tokenizer_cache.py")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -82,11 +88,25 @@ def _version(dist: str) -> str:
         return "-"
 
 
+def _walk(root: Path) -> list[Path]:
+    """The files under `root`, sorted, through symlinked directories too (transformers reads a
+    symlinked additional_chat_templates/), each real directory once."""
+    found, seen = [], set()
+    for top, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs.clear()
+            continue
+        seen.add(real)
+        found += [Path(top) / n for n in names if os.path.isfile(os.path.join(top, n))]
+    return sorted(found)
+
+
 def _hash_directory(h: Any, root: Path) -> bool:
     """Hash the directory's files (weights excepted); False, hashing nothing, when it holds
     more than MAX_HASHED_FILES or MAX_HASHED_BYTES of them (a tree that is no tokenizer's)."""
     files = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in _walk(root):
         name, size = path.relative_to(root).as_posix(), path.stat().st_size
         if not name.endswith(WEIGHT_SUFFIXES) and size <= MAX_FILE_BYTES:
             files.append((path, name, size))
@@ -140,7 +160,8 @@ def read(key: str, name: str) -> tuple[TokenizerPayload, int | None] | None:
     path = root / f"{key}.json"
     try:
         entry = json.loads(path.read_text())
-        if entry.get("format") != FORMAT:
+        if entry.get("format") != FORMAT or entry.get("sha256") != _entry_digest(entry):
+            log.debug("tokenizer cache: %s is damaged or of another format", path)
             return None
         fields = dict(entry["payload"])
         fields["special_tokens"] = tuple(fields["special_tokens"])
@@ -168,7 +189,8 @@ def write(key: str, payload: TokenizerPayload, pad_token_id: int | None) -> None
         return
     fields = {f: getattr(payload, f) for f in payload.__dataclass_fields__ if f != "name"}
     try:
-        text = json.dumps({"format": FORMAT, "payload": fields, "pad_token_id": pad_token_id})
+        entry = {"format": FORMAT, "payload": fields, "pad_token_id": pad_token_id}
+        text = json.dumps({**entry, "sha256": _entry_digest(entry)})
     except TypeError as e:  # a special token map JSON cannot hold
         log.debug("tokenizer cache: payload not JSON (%s); not cached", e)
         return
@@ -185,6 +207,12 @@ def write(key: str, payload: TokenizerPayload, pad_token_id: int | None) -> None
         _prune(root)
     except OSError as e:
         log.debug("tokenizer cache: cannot write under %s (%s)", root, e)
+
+
+def _entry_digest(entry: dict[str, Any]) -> str:
+    """sha256 of an entry's payload and pad id (every field a hit hands out)."""
+    body = {"payload": entry.get("payload"), "pad_token_id": entry.get("pad_token_id")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _prune(root: Path) -> None:

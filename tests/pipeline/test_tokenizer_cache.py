@@ -113,10 +113,15 @@ def test_changed_files_versions_or_template_arguments_miss(
     assert tokenizer_cache.cache_key(src, False, {"enable_thinking": False}) != key
     (tok_dir / "model.safetensors").write_bytes(b"weights are not part of a tokenizer")
     assert tokenizer_cache.cache_key(src, False, {}) == key
-    (tok_dir / "templates").mkdir()
-    (tok_dir / "templates" / "tool_use.jinja").write_text("{{ messages }}")
+    (tok_dir.parent / "shared_templates").mkdir()
+    template = tok_dir.parent / "shared_templates" / "tool_use.jinja"
+    template.write_text("{{ messages }}")
+    (tok_dir / "additional_chat_templates").symlink_to(tok_dir.parent / "shared_templates")
     with_template = tokenizer_cache.cache_key(src, False, {})
-    assert with_template != key
+    assert with_template != key  # read through the symlinked directory
+    template.write_text("{{ messages | length }}")
+    assert tokenizer_cache.cache_key(src, False, {}) not in (key, with_template)
+    template.write_text("{{ messages }}")
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
     assert tokenizer_cache.cache_key(src, False, {}) not in (key, with_template)
@@ -151,7 +156,7 @@ def test_an_edited_template_is_loaded_again(cache: Path, tok_dir: Path):
     assert len(list(cache.glob("*.json"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "payload", "pad", "format"])
+@pytest.mark.parametrize("damage", ["truncate", "payload", "eos", "pad", "format"])
 def test_a_damaged_entry_is_a_miss_and_is_rewritten(cache: Path, tok_dir: Path, damage: str):
     fresh = prepare(tok_dir)
     [entry] = cache.glob("*.json")
@@ -167,8 +172,10 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(cache: Path, tok_dir: Path, 
                 data["payload"]["tokenizer_json"]
                 != json.loads(entry.read_text())["payload"]["tokenizer_json"]
             )
+        elif damage == "eos":  # outside the fingerprint: the entry's own digest covers it
+            data["payload"]["eos_token_id"] = 5
         elif damage == "pad":
-            data["pad_token_id"] = "0"
+            data["pad_token_id"] = 0
         else:
             data["format"] = 99
         entry.write_text(json.dumps(data))
