@@ -58,7 +58,12 @@ from typing import Any, cast
 
 from packshard._extras import require
 from packshard.trainer_shim.flatten import flatten_rows
-from packshard.trainer_shim.hf_dataset import PackedRow, PackedShardDataset, topology_for
+from packshard.trainer_shim.hf_dataset import (
+    PackedRow,
+    PackedShardDataset,
+    parallel_sizes,
+    topology_for,
+)
 from packshard.trainer_shim.meter import StepStats, TrainedTokenMeter
 
 require("hf", "transformers", "packshard.trainer_shim.hf")
@@ -102,6 +107,21 @@ def packed_collator(
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = flat["cu_seqlens"]
         batch["max_length_q"] = batch["max_length_k"] = flat["max_seqlen"]
     return batch
+
+
+def _rows_per_step(args: Any) -> int:
+    """Rows of this rank's dataset one optimizer step trains: the micro-batches of a step,
+    divided by sp under DeepSpeed's sequence parallelism, whose Ulysses adapter gathers one batch
+    from every SP rank and trains them in turn (Trainer counts sp x the loader's batches)."""
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    sp = parallel_sizes()[2]
+    if sp > 1 and rows % sp:
+        raise ValueError(
+            f"per_device_train_batch_size x gradient_accumulation_steps = {rows} is not a multiple "
+            f"of sp_size={sp}: DeepSpeed's sequence parallelism trains the SP ranks' batches in "
+            "turn, so a step would end inside one rank's batch; make it a multiple"
+        )
+    return rows // sp
 
 
 class StreamStateCallback(TrainerCallback):
@@ -181,7 +201,7 @@ class StreamStateCallback(TrainerCallback):
         # with tp_size, TrainingArguments(parallelism_config=...)): the DP topology of now
         self.dataset._ensure_topology()
         self._unshard(train_dataloader, args.world_size)
-        self._per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self._per_step = _rows_per_step(args)
         step = state.global_step
         self._base_step, self._base_items, self._check = 0, self.dataset._start_items, None
         if step > 0:
@@ -201,7 +221,8 @@ class StreamStateCallback(TrainerCallback):
         if ds.rows_per_rank != self._per_step:
             log.warning(
                 "PackedShardDataset(rows_per_rank=%d), but Trainer trains %d rows a step per rank "
-                "(per_device_train_batch_size x gradient_accumulation_steps): set rows_per_rank=%d "
+                "(per_device_train_batch_size x gradient_accumulation_steps, / sp under DeepSpeed's "
+                "sequence parallelism): set rows_per_rank=%d "
                 "so that each balanced planning step is one optimizer step (and the data's last "
                 "step is not filled with rows that carry no tokens)",
                 ds.rows_per_rank, self._per_step, self._per_step,

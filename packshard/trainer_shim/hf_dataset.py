@@ -76,7 +76,7 @@ def topology_for(rank: int, world: int, *, tp: int = 1, cp: int = 1, sp: int = 1
     return Topology(dp_rank=dp_index * sp + sp_index, dp_size=world // (tp * cp))
 
 
-def _parallel_sizes() -> tuple[int, int, int, str]:
+def parallel_sizes() -> tuple[int, int, int, str]:
     """(tp, cp, sp, cp_backend) of accelerate's ParallelismConfig when an Accelerator is set up,
     else of the PARALLELISM_CONFIG_* variables `accelerate launch` sets, else (1, 1, 1, "")."""
     try:
@@ -145,7 +145,7 @@ class PackedShardDataset(IterableDataset):
         if self._explicit is not None:
             return self._explicit
         rank, world, source = rank_world()
-        tp, cp, sp, backend = _parallel_sizes()
+        tp, cp, sp, backend = parallel_sizes()
         if cp > 1 and backend == "torch" and not self.allow_cross_document_attention:
             raise ValueError(
                 f"accelerate's context parallelism (cp_size={cp}, cp_backend='torch') replaces the "

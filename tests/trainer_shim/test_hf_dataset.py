@@ -195,6 +195,22 @@ def test_the_callback_sees_tensor_parallelism_set_up_after_the_dataset(
     assert callback.meter is not None and callback.meter.dp_rank == 0
 
 
+def test_under_deepspeed_sp_a_step_trains_its_share_of_the_gathered_batches(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from packshard.trainer_shim.hf import _rows_per_step
+
+    args = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=4)
+    monkeypatch.delenv("PARALLELISM_CONFIG_SP_SIZE", raising=False)
+    assert _rows_per_step(args) == 4
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    assert _rows_per_step(args) == 2
+    with pytest.raises(ValueError, match="not a multiple of sp_size=2"):
+        _rows_per_step(
+            SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=3)
+        )
+
+
 def test_the_callback_finds_accelerates_shard_inside_an_sp_adapter(small_dataset: Path):
     """DeepSpeed's Ulysses SP adapter wraps the prepared loader and holds it as `.dl`."""
     from accelerate.data_loader import prepare_data_loader
