@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 JOB_DIR = "_packshard"
 PLAN_NAME = f"{JOB_DIR}/plan.json"
 MARKERS_DIR = f"{JOB_DIR}/shards"
-JOB_STATE_VERSION = 1
+# 2: .json files are counted with the column mapping (readers._json_records)
+JOB_STATE_VERSION = 2
 PROBE_PREFIX = ".packshard-write-probe-"
 OUR_NAMES = frozenset({MANIFEST_NAME, INDEX_NAME, SHARDS_DIR, JOB_DIR})
 TMP_NAMES = frozenset({f"{MANIFEST_NAME}.tmp", f"{INDEX_NAME}.tmp"})

@@ -171,10 +171,10 @@ def _json_records(
     f: InputFile, storage_options: Mapping[str, Any] | None, sample_fields: Collection[str]
 ) -> tuple[list[Any], list[int] | None]:
     """(records, their line numbers) of a .json file: a JSON document (an array of records, an
-    object holding one list of record objects under a name that is none of `sample_fields`, or
-    one record; line numbers None), or JSON lines (a document that does not parse, most of whose
-    lines are objects: each line a record, one that does not parse a malformed_json BadRecord,
-    as in .jsonl)."""
+    object with no key among `sample_fields` holding one list of record objects, or one record;
+    line numbers None), or JSON lines (a document that does not parse, does not open with a
+    lone "[" or "{" line, and at least half of whose lines are objects: each line a record, one
+    that does not parse a malformed_json BadRecord, as in .jsonl)."""
     with _open(f, storage_options) as fh:
         data = fh.read()
     try:
@@ -187,8 +187,10 @@ def _json_records(
         # "\n" only: U+2028 and friends may stand raw inside JSON strings (str.splitlines
         # would cut there), and "\r" before it is whitespace to json.loads
         lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
-        parsed = [_parse_json_line(line) for _, line in lines]
-        if len(lines) > 1 and 2 * sum(isinstance(r, dict) for r in parsed) > len(lines):
+        parsed = [_parse_json_line(line.removeprefix("\ufeff")) for _, line in lines]
+        objects = sum(isinstance(r, dict) for r in parsed)
+        opens_document = bool(lines) and lines[0][1].strip().lstrip("\ufeff") in ("[", "{")
+        if len(lines) > 1 and not opens_document and 2 * objects >= len(lines):
             return parsed, [n for n, _ in lines]  # JSON lines in a .json file
         raise InputError(
             f"{f.display}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
@@ -196,13 +198,13 @@ def _json_records(
     if isinstance(doc, list):
         return doc, None
     if isinstance(doc, dict):
-        lists = [(k, v) for k, v in doc.items() if isinstance(v, list)]
+        lists = [v for v in doc.values() if isinstance(v, list)]
         if (
             len(lists) == 1
-            and lists[0][0] not in sample_fields  # {"messages": [...]} is one chat
-            and all(isinstance(r, dict) for r in lists[0][1])
+            and not set(doc) & set(sample_fields)  # a sample ({"messages": [...]}) is one record
+            and all(isinstance(r, dict) for r in lists[0])
         ):
-            return lists[0][1], None
+            return lists[0], None
         return [doc], None
     raise InputError(f"{f.display}: the JSON document is a {type(doc).__name__}, not records")
 
@@ -316,6 +318,11 @@ def read_records(
                 yield f"{f.display}:row {i + 1}", recs[i]
         elif f.format == "json":
             records, lines = _json_records(f, storage_options, sample_fields)
+            if len(records) != f.records:
+                raise InputError(
+                    f"{f.display}: holds {len(records)} records now, {f.records} when counted "
+                    "(the file changed)"
+                )
             for i in range(start, stop):
                 yield _json_location(f, i, lines), records[i]
         else:

@@ -162,6 +162,12 @@ def test_a_json_file_holding_one_chat_is_one_record(tmp_path: Path):
     # an object holding one list of records under another name is a container of them
     (tmp_path / "data.json").write_text(json.dumps({"data": [chat, chat]}))
     assert [r for _, r in _all(str(tmp_path / "data.json"))] == [chat, chat]
+    # a sample with one list of objects beside its fields is a sample, not a container
+    cited = {"prompt": "Q?", "completion": "A.", "citations": [{"url": "u1"}, {"url": "u2"}]}
+    (tmp_path / "cited.json").write_text(json.dumps(cited))
+    assert [r for _, r in _all(str(tmp_path / "cited.json"))] == [cited]
+    (tmp_path / "no_images.json").write_text(json.dumps({"text": "hi", "images": []}))
+    assert [r for _, r in _all(str(tmp_path / "no_images.json"))] == [{"text": "hi", "images": []}]
     # under --columns messages=conversations, "conversations" is the sample field
     (tmp_path / "sharegpt.json").write_text(json.dumps({"conversations": chat["messages"]}))
     fields = source_fields({"messages": "conversations"})
@@ -187,13 +193,31 @@ def test_json_lines_in_a_json_file_are_read_line_by_line(tmp_path: Path, first: 
     bad = [isinstance(r, BadRecord) and r.reason == "malformed_json" for _, r in got]
     assert bad == [first.startswith("{not"), False, True, False, False]
     assert got[1][1] == {"text": "b\u2028c"}
+    # two lines, the second cut short; and files joined with a byte-order mark on each
+    p.write_text('{"text": "a"}\n{"text": "b\n', encoding="utf-8")
+    got = _all(str(p))
+    assert [r == {"text": "a"} for _, r in got] == [True, False]
+    assert isinstance(got[1][1], BadRecord)
+    p.write_text('\ufeff{"text": "a"}\n\ufeff{"text": "b"}\n', encoding="utf-8")
+    assert [r for _, r in _all(str(p))] == [{"text": "a"}, {"text": "b"}]
+
+
+def test_a_json_file_that_changed_after_counting_is_named(tmp_path: Path):
+    p = tmp_path / "grows.json"
+    p.write_text(json.dumps(RECORDS[:2]))
+    (f,) = resolve_inputs([str(p)])
+    f = count_records(f)
+    p.write_text(json.dumps(RECORDS[:3]))
+    with pytest.raises(InputError, match="holds 3 records now, 2 when counted"):
+        list(read_records(f, 0, 2))
 
 
 def test_a_broken_json_document_is_not_taken_for_json_lines(tmp_path: Path):
     p = tmp_path / "array.json"  # an array missing its commas: one error, where it is
-    p.write_text('[\n{"text": "a"}\n{"text": "b"}\n]\n')
-    with pytest.raises(InputError, match="not valid JSON at line 3"):
-        _all(str(p))
+    for n in (2, 3):
+        p.write_text("[\n" + "".join(f'{{"text": "{i}"}}\n' for i in range(n)) + "]\n")
+        with pytest.raises(InputError, match="not valid JSON at line 3"):
+            _all(str(p))
     p = tmp_path / "pretty.json"  # pretty-printed objects one after another: no JSON lines
     p.write_text('{\n  "text": "a"\n}\n{\n  "text": "b"\n}\n')
     with pytest.raises(InputError, match="not valid JSON at line 4"):
