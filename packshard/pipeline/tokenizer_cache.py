@@ -88,10 +88,12 @@ def _version(dist: str) -> str:
         return "-"
 
 
-def _walk(root: Path) -> list[Path]:
+def _walk(root: Path) -> list[Path] | None:
     """The files under `root`, sorted, through symlinked directories too (transformers reads a
-    symlinked additional_chat_templates/), each real directory once."""
-    found, seen = [], set()
+    symlinked additional_chat_templates/), each real directory once; None as soon as there are
+    more than MAX_HASHED_FILES (the walk stops there, wherever a link leads)."""
+    found: list[Path] = []
+    seen = set()
     for top, dirs, names in os.walk(root, followlinks=True):
         real = os.path.realpath(top)
         if real in seen:
@@ -99,18 +101,24 @@ def _walk(root: Path) -> list[Path]:
             continue
         seen.add(real)
         found += [Path(top) / n for n in names if os.path.isfile(os.path.join(top, n))]
+        if len(found) > MAX_HASHED_FILES:
+            return None
     return sorted(found)
 
 
 def _hash_directory(h: Any, root: Path) -> bool:
     """Hash the directory's files (weights excepted); False, hashing nothing, when it holds
-    more than MAX_HASHED_FILES or MAX_HASHED_BYTES of them (a tree that is no tokenizer's)."""
+    more than MAX_HASHED_FILES files or MAX_HASHED_BYTES of hashable ones (a tree that is no
+    tokenizer's)."""
+    paths = _walk(root)
+    if paths is None:
+        return False
     files = []
-    for path in _walk(root):
+    for path in paths:
         name, size = path.relative_to(root).as_posix(), path.stat().st_size
         if not name.endswith(WEIGHT_SUFFIXES) and size <= MAX_FILE_BYTES:
             files.append((path, name, size))
-    if len(files) > MAX_HASHED_FILES or sum(size for *_, size in files) > MAX_HASHED_BYTES:
+    if sum(size for *_, size in files) > MAX_HASHED_BYTES:
         return False
     for path, name, size in files:
         h.update(f"\0file {name} {size}\0".encode())

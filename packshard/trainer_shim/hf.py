@@ -113,15 +113,15 @@ def _rows_per_step(args: Any) -> int:
     """Rows of this rank's dataset one optimizer step trains: the micro-batches of a step,
     divided by sp under DeepSpeed's sequence parallelism, whose Ulysses adapter gathers one batch
     from every SP rank and trains them in turn (Trainer counts sp x the loader's batches)."""
-    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    accumulation = args.gradient_accumulation_steps
     sp = parallel_sizes()[2]
-    if sp > 1 and rows % sp:
+    if sp > 1 and accumulation % sp:
         raise ValueError(
-            f"per_device_train_batch_size x gradient_accumulation_steps = {rows} is not a multiple "
-            f"of sp_size={sp}: DeepSpeed's sequence parallelism trains the SP ranks' batches in "
-            "turn, so a step would end inside one rank's batch; make it a multiple"
+            f"gradient_accumulation_steps={accumulation} is not a multiple of sp_size={sp}: "
+            "DeepSpeed's sequence parallelism trains the SP ranks' whole batches in turn, one a "
+            "micro-step, so a step would end before every rank's batch trained; make it a multiple"
         )
-    return rows // sp
+    return args.per_device_train_batch_size * accumulation // sp
 
 
 class StreamStateCallback(TrainerCallback):

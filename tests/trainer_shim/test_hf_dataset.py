@@ -205,10 +205,13 @@ def test_under_deepspeed_sp_a_step_trains_its_share_of_the_gathered_batches(
     assert _rows_per_step(args) == 4
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
     assert _rows_per_step(args) == 2
-    with pytest.raises(ValueError, match="not a multiple of sp_size=2"):
-        _rows_per_step(
-            SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=3)
-        )
+    three = SimpleNamespace(per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    assert _rows_per_step(three) == 3
+    # a micro-step trains one rank's whole batch: a step must take every SP rank's in turn
+    for bs, ga in ((1, 3), (2, 1)):
+        odd = SimpleNamespace(per_device_train_batch_size=bs, gradient_accumulation_steps=ga)
+        with pytest.raises(ValueError, match="not a multiple of sp_size=2"):
+            _rows_per_step(odd)
 
 
 def test_the_callback_finds_accelerates_shard_inside_an_sp_adapter(small_dataset: Path):
