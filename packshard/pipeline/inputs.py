@@ -6,8 +6,8 @@ DatasetDict), a bare hub dataset name (``org/name``, listed through ``hf://`` wh
 reachable), or ``demo://`` (the built-in generated dataset, made inside the tasks that read it,
 so nothing travels from the driver). Specs keep their order; globs expand sorted; directories
 list their supported files recursively, sorted. Formats, by extension: ``.jsonl``/``.ndjson``
-(also ``.gz``, ``.zst``), ``.json`` (an array of records, an object holding one list of record
-objects under a name that is no sample field, one record, or JSON lines), ``.parquet``,
+(also ``.gz``, ``.zst``), ``.json`` (an array of records, an object without sample fields
+holding one list of record objects, one record, or JSON lines), ``.parquet``,
 ``.arrow``/``.feather``/``.ipc`` (Arrow IPC file or stream format, detected from the magic
 bytes), ``.txt`` (one ``{"text": line}`` per line).
 
