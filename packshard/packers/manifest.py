@@ -40,8 +40,9 @@ MANIFEST_KEYS = ("format", "version", "config", "shards", "totals")
 CONFIG_KEYS = ("seq_len", "pad_multiple", "pad_token_id")
 SHARD_KEYS = ("path", "rows", "num_tokens", "padded_tokens", "loss_tokens", "bytes", "checksum")
 TOTALS_COUNTS = ("rows", "num_tokens", "padded_tokens", "loss_tokens")
-# what the pack job's overlong policy did (written by the job when it cut, split or dropped
-# anything; `packshard stats` prints them): optional, and counts when present
+# what the pack job's overlong policy did, per shard and in the totals (pipeline.tasks counts
+# them, scheduler.merge_counters sums them, stats and the job's summary print them): optional,
+# and counts when present
 OVERLONG_COUNTS = (
     "truncated_samples", "truncated_tokens", "split_samples", "extra_pieces", "dropped_tokens",
     "lossless_pieces", "lossless_piece_tokens",

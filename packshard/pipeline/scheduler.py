@@ -44,11 +44,11 @@ from typing import Any
 import numpy as np
 import ray
 
+from packshard.packers.manifest import OVERLONG_COUNTS
 from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
 from packshard.pipeline.samples import CANONICAL_FIELDS, POLICY_DROPS
-from packshard.pipeline.stats import OVERLONG_COUNTERS
 from packshard.pipeline.tasks import (
     BlockData,
     BlockMeta,
@@ -522,9 +522,9 @@ class Scheduler:
 
 def merge_counters(results: list[ShardResult]) -> dict[str, Any]:
     """Job totals from per-shard counters (the manifest's sample totals)."""
-    summed = ("samples_in", "samples_kept", *OVERLONG_COUNTERS)
+    summed = ("samples_in", "samples_kept", *OVERLONG_COUNTS)
     totals: dict[str, Any] = {"samples_in": 0, "samples_kept": 0, "dropped": {}}
-    totals.update(dict.fromkeys(OVERLONG_COUNTERS, 0))
+    totals.update(dict.fromkeys(OVERLONG_COUNTS, 0))
     examples: list[list[Any]] = []
     for r in results:
         c = r.counters

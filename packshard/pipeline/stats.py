@@ -26,9 +26,6 @@ from packshard.packers.manifest import OVERLONG_COUNTS
 
 SHOWN_EXAMPLES = 5  # skipped records printed by stats and the job's summary
 MAX_EXAMPLES = 20  # skipped records the manifest keeps (scheduler.merge_counters)
-# what the overlong policy did, per shard and in the manifest's totals (pipeline.tasks counts
-# them, scheduler.merge_counters sums them, stats and the job's summary print them)
-OVERLONG_COUNTERS = OVERLONG_COUNTS
 
 
 def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
@@ -60,7 +57,7 @@ def dataset_stats(ds: ShardDataset) -> dict[str, Any]:
         "dropped": totals.get("dropped", {}),
         "overlong": {
             "policy": cfg.get("overlong"),
-            **{k: totals.get(k, 0) for k in OVERLONG_COUNTERS},
+            **{k: totals.get(k, 0) for k in OVERLONG_COUNTS},
         },
         "documents": int(docs.sum()),
         "num_tokens": true_tokens,
@@ -162,13 +159,13 @@ def format_stats(st: Mapping[str, Any]) -> str:
 def _overlong_lines(st: Mapping[str, Any]) -> list[str]:
     """The overlong policy's line, when it cut, split or dropped anything."""
     o = st.get("overlong") or {}
-    if not any(o.get(k) for k in OVERLONG_COUNTERS):
+    if not any(o.get(k) for k in OVERLONG_COUNTS):
         return []
     return [f"overlong     {overlong_text(o.get('policy'), {**o, 'dropped': st['dropped']})}"]
 
 
 def overlong_text(policy: str | None, t: Mapping[str, Any]) -> str:
-    """What the overlong policy did, from totals-like counters (`OVERLONG_COUNTERS` and
+    """What the overlong policy did, from totals-like counters (`OVERLONG_COUNTS` and
     `dropped`): one sentence for `stats` and the job's summary."""
     if policy == "truncate":
         text = f"truncate: {t['truncated_samples']:,} samples cut, {t['truncated_tokens']:,} tokens lost"
