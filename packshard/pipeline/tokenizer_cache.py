@@ -25,8 +25,8 @@ give:
 
 Tokenizers loaded with ``trust_remote_code`` (their code may do anything) and the built-in demo
 tokenizer (built in-process) are never cached. A cached file must match the sha256 stored in
-it and hold a payload whose fingerprint recomputes to its own, else it counts as a miss and is
-rewritten. The cache
+it (over everything a hit hands out: payload, fingerprint, pad id), else it counts as a miss
+and is rewritten. The cache
 keeps the `MAX_ENTRIES` most recently used files. Reading or writing it never fails a job: an
 unusable directory only means no cache (logged at debug level). ``PACKSHARD_TOKENIZER_CACHE=0``
 turns it off; deleting the directory is always safe.
@@ -63,16 +63,12 @@ VERSIONED = (
 # the code whose behaviour a cached result stands for: rendering, masking probes, payloads
 OWN_CODE = ("chat_template.py", "tokenization.py", "tokenizer_loading.py", "tokenizer_cache.py")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_OFF = frozenset({"0", "off", "false", "no"})
 
 
 def cache_dir() -> Path | None:
     """Where cached tokenizers go; None when the cache is turned off."""
-    if os.environ.get("PACKSHARD_TOKENIZER_CACHE", "").strip().lower() in (
-        "0",
-        "off",
-        "false",
-        "no",
-    ):
+    if os.environ.get("PACKSHARD_TOKENIZER_CACHE", "").strip().lower() in _OFF:
         return None
     root = os.environ.get("PACKSHARD_CACHE_DIR")
     if not root:
@@ -179,11 +175,6 @@ def read(key: str, name: str) -> tuple[TokenizerPayload, int | None] | None:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.debug("tokenizer cache: %s is unusable (%s); loading the tokenizer", path, e)
-        return None
-    if payload.computed_fingerprint() != payload.fingerprint or not (
-        pad is None or isinstance(pad, int)
-    ):
-        log.debug("tokenizer cache: %s does not match its fingerprint; loading the tokenizer", path)
         return None
     with contextlib.suppress(OSError):  # a read-only cache still serves hits
         os.utime(path)  # most recently used

@@ -164,7 +164,7 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(cache: Path, tok_dir: Path, 
         entry.write_bytes(entry.read_bytes()[:1000])
     else:
         data = json.loads(entry.read_text())
-        if damage == "payload":  # a token id changed: the fingerprint no longer matches
+        if damage == "payload":  # a token id changed: the entry's digest no longer matches
             data["payload"]["tokenizer_json"] = data["payload"]["tokenizer_json"].replace(
                 '"!":0', '"!":1', 1
             )
@@ -172,7 +172,7 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(cache: Path, tok_dir: Path, 
                 data["payload"]["tokenizer_json"]
                 != json.loads(entry.read_text())["payload"]["tokenizer_json"]
             )
-        elif damage == "eos":  # outside the fingerprint: the entry's own digest covers it
+        elif damage == "eos":  # outside the payload's fingerprint: the digest covers it
             data["payload"]["eos_token_id"] = 5
         elif damage == "pad":
             data["pad_token_id"] = 0
