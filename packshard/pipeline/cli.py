@@ -137,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return pack_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # libraries' lines may quote the URL too
-        handler.addFilter(RedactingFilter())
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):  # once per handler
+            handler.addFilter(RedactingFilter())
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -24,11 +24,12 @@ Ranks that hold the same rows under accelerate's `ParallelismConfig` (tensor and
 parallel: accelerate splits their batch itself) share a DP rank: ``dp_rank = rank // (tp * cp)``
 without sequence parallelism. DeepSpeed's sequence parallelism (``sp_backend='deepspeed'``)
 wants a different batch on each SP rank (its Ulysses adapter gathers one from every SP rank and
-trains them in turn), so SP ranks read rows of their own: ``dp_size = world / (tp * cp)``. Accelerate's torch context parallelism (accelerate 1.10+)
-replaces the attention mask by ``is_causal``, so packed documents would attend to each other:
-the dataset refuses it unless ``allow_cross_document_attention=True`` (packshard's own CP is
-`PackedShardStream(cp_size=...)` with a document-masked attention). The topology is read at
-construction and again when iteration starts; the one in use is logged.
+trains them in turn), so SP ranks read rows of their own: ``dp_size = world / (tp * cp)``.
+Accelerate's torch context parallelism (accelerate 1.10+) replaces the attention mask by
+``is_causal``, so packed documents would attend to each other: the dataset refuses it unless
+``allow_cross_document_attention=True`` (packshard's own CP is `PackedShardStream(cp_size=...)`
+with a document-masked attention). The topology is read at construction and again when
+iteration starts; the one in use is logged.
 
 How Trainer wraps an IterableDataset, and what this module does about it (accelerate 1.16):
 - ``dispatch_batches`` (on by default for an IterableDataset) makes rank 0 read every rank's
