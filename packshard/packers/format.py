@@ -137,15 +137,20 @@ CONNECT_TIMEOUT_S = 3.0
 
 
 def unreachable_endpoint(fs: Any) -> str | None:
-    """Why an object store given an explicit endpoint (``endpoint_url``, as s3fs takes it, or
-    in its ``client_kwargs``) cannot be used: it does not accept a TCP connection within
-    CONNECT_TIMEOUT_S. None when it does, when the filesystem names no endpoint, or when its
-    requests go through a proxy (a direct connection proves nothing then). Without this
-    check an endpoint that refuses connections fails only after s3fs's and botocore's retries
-    (5-10 s)."""
+    """Why an object store's endpoint cannot be used: it does not accept a TCP connection
+    within CONNECT_TIMEOUT_S. The endpoint is the one s3fs is given (``endpoint_url``, or in
+    its ``client_kwargs``) or the one gcsfs talks to (its ``_location``: the given
+    ``endpoint_url``, ``STORAGE_EMULATOR_HOST``, or https://storage.googleapis.com). None when
+    it connects, when the filesystem names no endpoint (s3fs on AWS picks a regional one), or
+    when its requests go through a proxy (a direct connection proves nothing then). Without
+    this check an endpoint that refuses connections fails only after the client's retries:
+    5-10 s for s3fs and botocore; gcsfs retries for ~30 s a request and then reads as "no such
+    file"."""
     endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get(
         "endpoint_url"
     )
+    if not endpoint and "gcs" in _protocols(fs):
+        endpoint = getattr(fs, "_location", None)
     if not isinstance(endpoint, str) or "://" not in endpoint:
         return None
     parts = urllib.parse.urlsplit(endpoint)
@@ -158,6 +163,11 @@ def unreachable_endpoint(fs: Any) -> str | None:
     except (OSError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
         return f"cannot connect to its endpoint {redact_url(endpoint)}: {why}"
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return protocol if isinstance(protocol, tuple) else (protocol,)
 
 
 def _behind_proxy(fs: Any, parts: urllib.parse.SplitResult) -> bool:

@@ -20,6 +20,8 @@ _CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@a
 _QUERY = re.compile(r"[A-Za-z0-9_.~-]+=.*", re.DOTALL)
 # a URL in prose: trailing punctuation (",", ".", ")", ...) belongs to the sentence
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
+# user info outside a URL: ``name:secret@`` right before a host or bucket name
+_USER_INFO = re.compile(r"(?<![^\s'\"(\[=])[^\s'\"()\[\]/:@=]+:[^\s'\"/]+@(?=[A-Za-z0-9\[])")
 
 
 def dataset_url(url: object) -> str:
@@ -63,16 +65,27 @@ def redact_url(url: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """`text` (an error message, a log line) with every ``scheme://...`` URL in it redacted."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    """`text` (an error message, a log line) with every ``scheme://...`` URL in it redacted,
+    and any ``user:password@`` left outside one removed (libraries quote a URL's parts:
+    gcsfs logs ``bucket name alice:PW@bucket`` for ``gs://alice:PW@bucket/x``)."""
+    return _USER_INFO.sub("", _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text))
 
 
 class RedactingFilter(logging.Filter):
-    """Strips credentials from every URL in a log record (`redact_text`)."""
+    """Strips credentials from a log record (`redact_text`). With `library_tracebacks=False`
+    (the CLIs), a record from a logger outside packshard also loses its traceback: a storage
+    library logs one for each retry it gives up on (gcsfs: ~10 lines a request), while the
+    error packshard reports names the cause in one line."""
+
+    def __init__(self, *, library_tracebacks: bool = True) -> None:
+        super().__init__()
+        self.library_tracebacks = library_tracebacks
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         redacted = redact_text(message)
         if redacted != message:
             record.msg, record.args = redacted, None
+        if not self.library_tracebacks and not record.name.startswith("packshard"):
+            record.exc_info = record.exc_text = record.stack_info = None
         return True

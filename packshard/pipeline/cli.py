@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # libraries' lines may quote the URL too
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):  # once per handler
-            handler.addFilter(RedactingFilter())
+            handler.addFilter(RedactingFilter(library_tracebacks=False))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -35,6 +35,7 @@ from typing import Any
 import fsspec
 
 from packshard.packers import url_to_fs
+from packshard.packers.format import describe_error
 from packshard.packers.urls import DEMO_SCHEME, redact_text, redact_url
 from packshard.pipeline.storage import storage_errors, storage_errors_with, unreachable_endpoint
 
@@ -204,7 +205,22 @@ def _resolve_one(
         raise InputError(f"input {spec!r}: cannot be listed ({type(e).__name__}: {e})") from None
     if _looks_like_hub_name(spec):
         return _hub_dataset(spec, storage_options, split)
+    _confirm_missing(fs, path, spec)
     raise InputError(f"input {spec!r} does not exist")
+
+
+def _confirm_missing(fs: fsspec.AbstractFileSystem, path: str, spec: str) -> None:
+    """fsspec's `isdir` / `isfile` read any OSError as False, and some clients' errors are
+    OSErrors (gcsfs' 403 a PermissionError, aiohttp's connection errors): before an input is
+    called missing, `info` must say so too (FileNotFoundError); another error is reported."""
+    try:
+        fs.info(path)
+    except FileNotFoundError:
+        return
+    except PermissionError as e:
+        raise InputError(f"input {spec!r}: permission denied ({e})") from None
+    except storage_errors() as e:
+        raise InputError(f"input {spec!r}: cannot be read ({describe_error(e)})") from None
 
 
 def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = False) -> InputFile:

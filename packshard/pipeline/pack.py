@@ -492,7 +492,9 @@ def _setup_logging() -> None:
     """packshard's INFO lines on stderr, URLs redacted. Only when the program has configured
     no logging of its own (the CLI): a handler on the root logger would print the lines of
     libraries that have their own handler (huggingface_hub) a second time, and an embedding
-    program's configuration wins."""
+    program's configuration wins. Other libraries' warnings reach stderr through logging's
+    last-resort handler, which gets the same redaction, without their tracebacks (see
+    `RedactingFilter`)."""
     logger = logging.getLogger("packshard")
     if logging.getLogger().handlers or any(isinstance(h, _StderrHandler) for h in logger.handlers):
         return
@@ -501,6 +503,9 @@ def _setup_logging() -> None:
     handler.addFilter(RedactingFilter())
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    last = logging.lastResort
+    if last is not None and not any(isinstance(f, RedactingFilter) for f in last.filters):
+        last.addFilter(RedactingFilter(library_tracebacks=False))
 
 
 def _scheduler_error(name: str) -> tuple[type[BaseException], ...]:

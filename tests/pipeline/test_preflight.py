@@ -458,3 +458,68 @@ def test_chats_with_a_cached_hub_tokenizer_without_a_chat_template(tmp_path: Pat
     assert "line 1: the record is a chat" in errors[0], errors[0]
     assert "'someone/base-model' has no chat template" in errors[0], errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_input_on_an_unreachable_gcs_endpoint_is_one_line(tmp_path: Path):
+    """gcsfs retries a request that cannot connect for ~30 s and then reads it as "no such
+    file"; its endpoint gets the TCP check that an S3 endpoint gets."""
+    pytest.importorskip("gcsfs")
+    rc, err = pack(
+        *args(
+            "gs://alice:SECRET@bucket/data/x.jsonl",
+            tmp_path / "out",
+            "--storage-option",
+            f"endpoint_url=http://127.0.0.1:{_closed_port()}",
+            "--storage-option",
+            "token=anon",  # no credential lookup (it probes the GCE metadata server)
+        )
+    )
+    assert rc == 1 and (
+        "input 'gs://bucket/data/x.jsonl': cannot connect to its endpoint http://127.0.0.1:" in err
+    )
+
+
+def test_an_input_is_missing_only_when_info_says_so(monkeypatch: pytest.MonkeyPatch):
+    """fsspec's isdir / isfile read any OSError (a 403 from gcsfs, a refused connection from
+    aiohttp) as False: the input is called missing only when `info` raises FileNotFoundError."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from packshard.pipeline.inputs import resolve_specs
+
+    with pytest.raises(InputError, match=r"'memory://nope/x.jsonl' does not exist"):
+        resolve_specs(["memory://nope/x.jsonl"])
+
+    def denied(self, path, **kwargs):
+        raise PermissionError(403, "Forbidden")
+
+    monkeypatch.setattr(MemoryFileSystem, "info", denied)
+    monkeypatch.setattr(MemoryFileSystem, "isdir", lambda self, path: False)
+    monkeypatch.setattr(MemoryFileSystem, "isfile", lambda self, path: False)
+    with pytest.raises(InputError, match=r"'memory://nope/x.jsonl': permission denied"):
+        resolve_specs(["memory://nope/x.jsonl"])
+
+    def refused(self, path, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(MemoryFileSystem, "info", refused)
+    with pytest.raises(InputError, match=r"cannot be read \(ConnectionRefusedError: "):
+        resolve_specs(["memory://nope/x.jsonl"])
+
+
+def test_the_pack_cli_redacts_library_warnings_and_drops_their_tracebacks():
+    """Libraries' warnings reach stderr through logging's last-resort handler (the pack CLI
+    configures a handler for packshard's own logger only): the secret in one (gcsfs quotes
+    ``alice:PW@bucket`` as a bucket name) is removed, and so is its traceback."""
+    code = (
+        "import logging\n"
+        "from packshard.pipeline.pack import _setup_logging\n"
+        "_setup_logging()\n"
+        "try:\n"
+        "    raise OSError('unreachable')\n"
+        "except OSError:\n"
+        "    logging.getLogger('gcsfs').error('bucket name alice:SECRET@bucket', exc_info=True)\n"
+        "logging.getLogger('packshard.x').warning('own line')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == ["bucket name bucket", "WARNING packshard.x: own line"]

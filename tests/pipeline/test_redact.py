@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 
-from packshard.packers.urls import redact_text, redact_url
+from packshard.packers.urls import RedactingFilter, redact_text, redact_url
 
 
 @pytest.mark.parametrize(
@@ -52,3 +55,45 @@ def test_redact_text_redacts_every_url_in_a_message() -> None:
     assert out == (
         "input 'http://h/x.jsonl' line 3: bad JSON; also tried https://h2/y, and /local/path?x"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # gcsfs quotes gs://alice:PW@bucket/x's "bucket name" without the scheme
+        ("bucket name alice:SECRET@bucket: no credentials", "bucket name bucket: no credentials"),
+        ("bucket 'alice:p@ss@bucket'", "bucket 'bucket'"),
+        ("(u:SECRET@host)", "(host)"),
+        ("key=u:SECRET@host", "key=host"),
+    ],
+)
+def test_redact_text_removes_user_info_outside_a_url(text: str, expected: str) -> None:
+    assert redact_text(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["git@github.com:org/repo", "at 10:30 today", "mail user@host.com", "s3://b/k:v@x/y"]
+)
+def test_redact_text_keeps_what_is_no_user_info(text: str) -> None:
+    assert redact_text(text) == text
+
+
+def test_the_cli_filter_drops_library_tracebacks_only() -> None:
+    """A storage library's record keeps its (redacted) line and loses its traceback; a
+    packshard record keeps both; the library's filter keeps everything but the secret."""
+
+    def record(name: str) -> logging.LogRecord:
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            info = sys.exc_info()
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, "bucket %s", ("u:PW@b",), info)
+
+    gcsfs_record, own = record("gcsfs"), record("packshard.pipeline.inputs")
+    cli = RedactingFilter(library_tracebacks=False)
+    assert cli.filter(gcsfs_record) and cli.filter(own)
+    assert gcsfs_record.getMessage() == "bucket b" and gcsfs_record.exc_info is None
+    assert own.getMessage() == "bucket b" and own.exc_info is not None
+    kept = record("gcsfs")
+    assert RedactingFilter().filter(kept) and kept.exc_info is not None
+    assert kept.getMessage() == "bucket b"
