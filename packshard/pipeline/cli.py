@@ -19,7 +19,7 @@ from packshard._extras import MissingExtraError
 from packshard.packers import FormatError, ShardDataset
 from packshard.packers.urls import RedactingFilter
 from packshard.pipeline.inputs import redact_text, redact_url
-from packshard.pipeline.options import add_storage_option_flag, parse_key_values
+from packshard.pipeline.options import ArgumentParser, add_storage_option_flag, parse_key_values
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="packshard", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="packshard", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "pack",

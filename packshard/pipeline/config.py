@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packshard.packers import ALGORITHMS, OVERLONG_POLICIES, Algorithm, OverlongPolicy
-from packshard.pipeline.options import add_storage_option_flag, parse_key_values
+from packshard.pipeline.options import ArgumentParser, add_storage_option_flag, parse_key_values
 from packshard.pipeline.planning import (
     DEFAULT_CARRY_ROWS,
     DEFAULT_SHARD_TOKENS,
@@ -183,7 +183,7 @@ class PackConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="packshard pack",
         description="Pack raw SFT / offline-RL samples into a packshard dataset with Ray "
         "(connects to the cluster under `ray job submit`, else starts a local Ray).",

@@ -14,7 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors quote no credentials: "unrecognized arguments:
+    gs://alice:PW@bucket/x" names the URL as `redact_text` writes it."""
+
+    def error(self, message: str) -> NoReturn:
+        from packshard.packers.urls import redact_text
+
+        super().error(redact_text(message))
 
 
 def parse_key_values(pairs: Sequence[str] | None, flag: str = "--storage-option") -> dict[str, Any]:

@@ -324,3 +324,16 @@ def test_stats_reports_what_the_overlong_policy_did(tmp_path, capsys):
     assert (
         "split: 1 samples into 2 extra pieces; 1 pieces (1,024 tokens) carry no loss token" in out
     )
+
+
+def test_usage_errors_quote_no_credentials(capsys):
+    """argparse quotes what it could not parse: a URL's user info and signature are removed."""
+    with pytest.raises(SystemExit) as stats_exit:
+        main(["stats", "s3://b/ds", "gs://alice:SECRET@bucket/x?sig=SECRET"])
+    with pytest.raises(SystemExit) as pack_exit:  # the pack job's own parser
+        from packshard.pipeline.config import build_parser
+
+        build_parser().parse_args(["--output", "o", "gs://alice:SECRET@bucket/x?sig=SECRET"])
+    err = capsys.readouterr().err
+    assert stats_exit.value.code == pack_exit.value.code == 2
+    assert "SECRET" not in err and err.count("unrecognized arguments: gs://bucket/x") == 2
