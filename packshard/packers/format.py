@@ -149,7 +149,7 @@ def unreachable_endpoint(fs: Any) -> str | None:
     endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get(
         "endpoint_url"
     )
-    if not endpoint and "gcs" in _protocols(fs):
+    if not endpoint and "gcs" in protocols(fs):
         endpoint = getattr(fs, "_location", None)
     if not isinstance(endpoint, str) or "://" not in endpoint:
         return None
@@ -165,7 +165,8 @@ def unreachable_endpoint(fs: Any) -> str | None:
         return f"cannot connect to its endpoint {redact_url(endpoint)}: {why}"
 
 
-def _protocols(fs: Any) -> tuple[str, ...]:
+def protocols(fs: Any) -> tuple[str, ...]:
+    """The protocol names of an fsspec filesystem (its `protocol` is a str or a tuple)."""
     protocol = getattr(fs, "protocol", ())
     return protocol if isinstance(protocol, tuple) else (protocol,)
 

@@ -89,3 +89,10 @@ class RedactingFilter(logging.Filter):
         if not self.library_tracebacks and not record.name.startswith("packshard"):
             record.exc_info = record.exc_text = record.stack_info = None
         return True
+
+
+def add_redacting_filter(handler: logging.Handler, *, library_tracebacks: bool = True) -> None:
+    """Give `handler` a `RedactingFilter`, unless it has one (a CLI's main may run twice in a
+    process: tests, notebooks)."""
+    if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+        handler.addFilter(RedactingFilter(library_tracebacks=library_tracebacks))

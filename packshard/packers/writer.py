@@ -37,6 +37,7 @@ from packshard.packers.format import (
     SHARD_SCHEMA,
     FormatError,
     HashingWriter,
+    protocols,
     shard_name,
 )
 from packshard.packers.manifest import ShardEntry, parse_config, shape_problems
@@ -67,8 +68,7 @@ def url_to_fs(
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether `fs` is the local filesystem (memory-mapped reads, real directories)."""
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
+    return bool({"file", "local"} & set(protocols(fs)))
 
 
 @dataclass(frozen=True)

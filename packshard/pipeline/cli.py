@@ -17,7 +17,7 @@ from typing import Any
 
 from packshard._extras import MissingExtraError
 from packshard.packers import FormatError, ShardDataset
-from packshard.packers.urls import RedactingFilter
+from packshard.packers.urls import add_redacting_filter
 from packshard.pipeline.inputs import redact_text, redact_url
 from packshard.pipeline.options import ArgumentParser, add_storage_option_flag, parse_key_values
 
@@ -137,8 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return pack_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # libraries' lines may quote the URL too
-        if not any(isinstance(f, RedactingFilter) for f in handler.filters):  # once per handler
-            handler.addFilter(RedactingFilter(library_tracebacks=False))
+        add_redacting_filter(handler, library_tracebacks=False)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -24,6 +24,7 @@ each read with the query).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import posixpath
@@ -35,7 +36,7 @@ from typing import Any
 import fsspec
 
 from packshard.packers import url_to_fs
-from packshard.packers.format import describe_error
+from packshard.packers.format import protocols
 from packshard.packers.urls import DEMO_SCHEME, redact_text, redact_url
 from packshard.pipeline.storage import storage_errors, storage_errors_with, unreachable_endpoint
 
@@ -120,7 +121,7 @@ def _format_of(path: str) -> tuple[str, str | None] | None:
 
 
 def _join(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocols(fs)[0]
     return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
 
 
@@ -168,8 +169,7 @@ def resolve_specs(
 
 def _is_glob(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     """Glob characters the user wrote; an http(s) URL's query ("?sig=...") is not a glob."""
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if {"http", "https"} & set(protocols):
+    if {"http", "https"} & set(protocols(fs)):
         return any(c in _without_query(path) for c in "*[")
     return any(c in path for c in "*?[")
 
@@ -199,28 +199,22 @@ def _resolve_one(
         if fs.isfile(path):
             _split_does_not_apply(spec, split, "a file")
             return [_file(fs, path, spec, strict=True)]
+        _raise_unless_missing(fs, path)
     except PermissionError as e:
         raise InputError(f"input {spec!r}: permission denied ({e})") from None
     except storage_errors() as e:
         raise InputError(f"input {spec!r}: cannot be listed ({type(e).__name__}: {e})") from None
     if _looks_like_hub_name(spec):
         return _hub_dataset(spec, storage_options, split)
-    _confirm_missing(fs, path, spec)
     raise InputError(f"input {spec!r} does not exist")
 
 
-def _confirm_missing(fs: fsspec.AbstractFileSystem, path: str, spec: str) -> None:
+def _raise_unless_missing(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """fsspec's `isdir` / `isfile` read any OSError as False, and some clients' errors are
-    OSErrors (gcsfs' 403 a PermissionError, aiohttp's connection errors): before an input is
-    called missing, `info` must say so too (FileNotFoundError); another error is reported."""
-    try:
+    OSErrors (gcsfs' 403 a PermissionError, aiohttp's connection errors): an input is called
+    missing only when `info` raises FileNotFoundError too; its other errors propagate."""
+    with contextlib.suppress(FileNotFoundError):
         fs.info(path)
-    except FileNotFoundError:
-        return
-    except PermissionError as e:
-        raise InputError(f"input {spec!r}: permission denied ({e})") from None
-    except storage_errors() as e:
-        raise InputError(f"input {spec!r}: cannot be read ({describe_error(e)})") from None
 
 
 def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = False) -> InputFile:

@@ -84,7 +84,7 @@ if (_MISSING := missing_environment()) is not None:
     raise MissingExtraError(_MISSING, name="packshard.pipeline.pack")
 
 from packshard.packers import FormatError, ShardDataset, finalize_dataset, rows_per_batch_for
-from packshard.packers.urls import RedactingFilter
+from packshard.packers.urls import add_redacting_filter
 from packshard.pipeline.config import PackConfig, config_from_args
 from packshard.pipeline.inputs import InputError, InputFile, redact_text, redact_url
 from packshard.pipeline.jobstate import (
@@ -500,12 +500,11 @@ def _setup_logging() -> None:
         return
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(RedactingFilter())
+    add_redacting_filter(handler)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    last = logging.lastResort
-    if last is not None and not any(isinstance(f, RedactingFilter) for f in last.filters):
-        last.addFilter(RedactingFilter(library_tracebacks=False))
+    if logging.lastResort is not None:
+        add_redacting_filter(logging.lastResort, library_tracebacks=False)
 
 
 def _scheduler_error(name: str) -> tuple[type[BaseException], ...]:

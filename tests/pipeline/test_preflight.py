@@ -502,7 +502,7 @@ def test_an_input_is_missing_only_when_info_says_so(monkeypatch: pytest.MonkeyPa
         raise ConnectionRefusedError(111, "Connection refused")
 
     monkeypatch.setattr(MemoryFileSystem, "info", refused)
-    with pytest.raises(InputError, match=r"cannot be read \(ConnectionRefusedError: "):
+    with pytest.raises(InputError, match=r"cannot be listed \(ConnectionRefusedError: "):
         resolve_specs(["memory://nope/x.jsonl"])
 
 
