@@ -75,7 +75,9 @@ class InputFile:
     size: int = 0
     version: str = ""
     records: int = -1
-    checkpoints: tuple[tuple[int, int], ...] = ()  # (byte offset, line number) of record k*STRIDE
+    # (byte offset, line number) of record k * STRIDE; a .json array's: (offset, k * STRIDE)
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    layout: str = ""  # a .json file's with checkpoints: "array" or "lines" (readers.py)
 
     @property
     def display(self) -> str:

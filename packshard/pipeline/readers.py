@@ -4,9 +4,12 @@ Sample ids need each file's record count before any work (a sample's id is its i
 order), so the job first counts every file once, in parallel, and keeps the counts in its plan
 (a resumed run does not recount). Counting costs a newline scan for JSON lines (also recording
 the byte offset of every 1024th record, so a block can seek straight to its first record) and
-only the footer for parquet; Arrow streams, ``.json`` arrays and compressed files are read
-whole. Reading records [a, b) of a compressed or ``.json`` file decompresses/parses from the
-start: split big compressed inputs into several files, or leave them uncompressed.
+only the footer for parquet; Arrow streams, ``.json`` files and compressed files are read
+whole. An uncompressed ``.json`` file holding an array of records or JSON lines gets the same
+seek points (its records are walked one by one), so a block parses only its own bytes. Reading
+records [a, b) of a compressed file, or of a ``.json`` object holding a list of records,
+decompresses/parses from the start: split big ones into several files, or leave them
+uncompressed.
 
 Blank lines are not records. Every record comes with its location (``file:line N`` for text
 formats, ``file:row N`` for tabular ones, 1-based), used in every error message; a line that is
@@ -15,11 +18,13 @@ not UTF-8 or not JSON comes as a `BadRecord` (``invalid_utf8``, ``malformed_json
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import functools
 import gzip
 import io
 import json
+import re
 import sys
 import zlib
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -108,7 +113,7 @@ def count_records(
         if f.format in TEXT_FORMATS:
             return _count_lines(f, storage_options)
         if f.format == "json":
-            return _replace(f, records=len(_json_records(f, storage_options, sample_fields)[0]))
+            return _count_json(f, storage_options, sample_fields)
         with _open(f, storage_options) as fh:
             if f.format == "parquet":
                 return _replace(f, records=pq.ParquetFile(fh).metadata.num_rows)
@@ -177,10 +182,20 @@ def _json_records(
     that does not parse a malformed_json BadRecord, as in .jsonl)."""
     with _open(f, storage_options) as fh:
         data = fh.read()
+    return _parse_json_text(f, _json_text(f, data), sample_fields)
+
+
+def _json_text(f: InputFile, data: bytes) -> str:
     try:
-        text = data.decode("utf-8-sig")  # a leading byte-order mark is not data
+        return data.decode("utf-8-sig")  # a leading byte-order mark is not data
     except UnicodeDecodeError as e:
         raise InputError(f"{f.display}: not valid UTF-8 at byte {e.start}") from None
+
+
+def _parse_json_text(
+    f: InputFile, text: str, sample_fields: Collection[str]
+) -> tuple[list[Any], list[int] | None]:
+    """`_json_records` of the file's decoded text."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
@@ -212,6 +227,144 @@ def _json_records(
 def _json_location(f: InputFile, i: int, lines: list[int] | None) -> str:
     """Where record i of a .json file is: its line (JSON lines) or its place in the document."""
     return f"{f.display}:line {lines[i]}" if lines is not None else f"{f.display}:record {i + 1}"
+
+
+_WS = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
+_DECODER = json.JSONDecoder()
+
+
+def _skip_ws(text: str, i: int) -> int:
+    """The first index at or after `i` that is not JSON whitespace."""
+    match = _WS.match(text, i)
+    assert match is not None  # the pattern matches the empty string
+    return match.end()
+
+
+JSON_ARRAY, JSON_LINES = "array", "lines"  # InputFile.layout of a .json file with seek points
+
+
+def _count_json(
+    f: InputFile, storage_options: Mapping[str, Any] | None, sample_fields: Collection[str]
+) -> InputFile:
+    """`f` counted as `_json_records` reads it. An uncompressed array of records or JSON lines
+    also gets seek points: the byte offset of record k * STRIDE with its number (its index in
+    the array, or its line), and its `layout` ("array" / "lines")."""
+    with _open(f, storage_options) as fh:
+        data = fh.read()
+    text = _json_text(f, data)
+    walked = _array_starts(text)
+    if walked is not None:
+        records, starts = walked
+        layout, numbers = JSON_ARRAY, [k * STRIDE for k in range(len(starts))]
+    else:
+        parsed, lines = _parse_json_text(f, text, sample_fields)
+        if lines is None:  # one document: a record, or an object holding the records
+            return _replace(f, records=len(parsed))
+        records, layout, numbers = len(parsed), JSON_LINES, lines[::STRIDE]
+        starts = _line_starts(text, numbers)
+    if f.compression is not None:  # no seeking in a compressed stream
+        return _replace(f, records=records)
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    if len(data) == len(text) + bom:  # one byte a character
+        offsets = [c + bom for c in starts]
+    else:
+        offsets, done, at = [], 0, bom
+        for c in starts:
+            at += len(text[done:c].encode())
+            offsets.append(at)
+            done = c
+    return _replace(
+        f, records=records, layout=layout, checkpoints=tuple(zip(offsets, numbers, strict=True))
+    )
+
+
+def _array_starts(text: str) -> tuple[int, list[int]] | None:
+    """(records, the character offsets of records 0, STRIDE, 2 STRIDE, ...) of a text that
+    holds one JSON array, walked a value at a time; None for any other text, a malformed one
+    included (`_parse_json_text` then reads it whole, and names the error)."""
+    i = _skip_ws(text, 0)
+    if not text.startswith("[", i):
+        return None
+    i = _skip_ws(text, i + 1)
+    if text.startswith("]", i):
+        return (0, []) if _skip_ws(text, i + 1) == len(text) else None
+    records, starts = 0, []
+    try:
+        while True:
+            if records % STRIDE == 0:
+                starts.append(i)
+            _, i = _DECODER.raw_decode(text, i)
+            records += 1
+            i = _skip_ws(text, i)
+            if text.startswith(",", i):
+                i = _skip_ws(text, i + 1)
+            elif text.startswith("]", i) and _skip_ws(text, i + 1) == len(text):
+                return records, starts
+            else:
+                return None
+    except json.JSONDecodeError:
+        return None
+
+
+def _line_starts(text: str, lines: Sequence[int]) -> list[int]:
+    """The character offsets where the given lines (1-based, ascending) of `text` start."""
+    out, at, line = [], 0, 1
+    for wanted in lines:
+        while line < wanted:
+            at = text.index("\n", at) + 1
+            line += 1
+        out.append(at)
+    return out
+
+
+def _read_json_span(
+    f: InputFile, start: int, stop: int, storage_options: Mapping[str, Any] | None
+) -> Iterator[Record]:
+    """Records [start, stop) of a .json file with seek points: only the bytes from the seek
+    point at or before `start` to the one at or after `stop` are read and parsed."""
+    k, after = start // STRIDE, -(-stop // STRIDE)
+    offset, number = f.checkpoints[k]
+    end = f.checkpoints[after][0] if after < len(f.checkpoints) else None
+    with _open(f, storage_options) as fh:
+        fh.seek(offset)
+        data = fh.read() if end is None else fh.read(end - offset)
+    changed = InputError(
+        f"{f.display}: changed since it was counted (records {start + 1}-{stop} are not where "
+        "they were); rerun the job"
+    )
+    try:
+        text = data.decode("utf-8-sig" if offset == 0 else "utf-8")
+    except UnicodeDecodeError:
+        raise changed from None
+    record = k * STRIDE
+    if f.layout == JSON_LINES:
+        for line_no, line in enumerate(text.split("\n"), number):
+            if not line.strip():
+                continue
+            if record >= stop:
+                return
+            if record >= start:
+                yield f"{f.display}:line {line_no}", _parse_json_line(line.removeprefix("\ufeff"))
+            record += 1
+        if record < stop:
+            raise changed
+        return
+    i = 0
+    while record < stop:
+        try:
+            value, i = _DECODER.raw_decode(text, i)
+        except json.JSONDecodeError:
+            raise changed from None
+        if record >= start:
+            yield f"{f.display}:record {record + 1}", value
+        record += 1
+        i = _skip_ws(text, i)
+        if record < f.records and text.startswith(",", i):
+            i = _skip_ws(text, i + 1)
+        elif not (
+            record == f.records and text.startswith("]", i) and _skip_ws(text, i + 1) == len(text)
+        ):
+            raise changed
 
 
 # ---- peeking (the pre-flight check) -----------------------------------------------------
@@ -316,6 +469,8 @@ def read_records(
             recs = demo_records_cached(f.url)
             for i in range(start, stop):
                 yield f"{f.display}:row {i + 1}", recs[i]
+        elif f.format == "json" and f.checkpoints:
+            yield from _read_json_span(f, start, stop, storage_options)
         elif f.format == "json":
             records, lines = _json_records(f, storage_options, sample_fields)
             if len(records) != f.records:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -208,7 +209,12 @@ def test_a_json_file_that_changed_after_counting_is_named(tmp_path: Path):
     (f,) = resolve_inputs([str(p)])
     f = count_records(f)
     p.write_text(json.dumps(RECORDS[:3]))
-    with pytest.raises(InputError, match="holds 3 records now, 2 when counted"):
+    with pytest.raises(InputError, match=f"{p}: changed since it was counted"):
+        list(read_records(f, 0, 2))
+    p.write_text(json.dumps({"data": RECORDS[:3]}))  # an object holding the records: no seek
+    f = count_records(resolve_inputs([str(p)])[0])
+    p.write_text(json.dumps({"data": RECORDS[:2]}))
+    with pytest.raises(InputError, match="holds 2 records now, 3 when counted"):
         list(read_records(f, 0, 2))
 
 
@@ -431,3 +437,66 @@ def test_locations_and_errors_carry_no_credentials(tmp_path: Path):
     with pytest.raises(InputError) as e:
         list(read_records(f, 0, 1))
     assert "SECRET" not in str(e.value) and "http://127.0.0.1:1/x.jsonl" in str(e.value)
+
+
+def _seek_point_files(tmp_path: Path) -> dict[str, list[dict]]:
+    """A .json array (byte-order mark, non-ASCII text, U+2028 inside strings) and JSON lines
+    in a .json file (blank lines), each of 2.5 x STRIDE records."""
+    recs = [
+        {"text": f"doc {i} " + "é" * (i % 7) + ("\u2028" if i % 11 == 0 else ""), "n": i}
+        for i in range(readers.STRIDE * 5 // 2)
+    ]
+    body = ",\n ".join(json.dumps(r, ensure_ascii=False) for r in recs)
+    (tmp_path / "array.json").write_bytes(b"\xef\xbb\xbf" + f"[\n {body}\n]\n".encode())
+    (tmp_path / "lines.json").write_text(
+        "".join(
+            json.dumps(r, ensure_ascii=False) + "\n" + "\n" * (i % 5 == 0)
+            for i, r in enumerate(recs)
+        )
+    )
+    return {"array.json": recs, "lines.json": recs}
+
+
+@pytest.mark.parametrize("name", ["array.json", "lines.json"])
+def test_a_json_block_parses_only_its_own_bytes(tmp_path: Path, name: str):
+    recs = _seek_point_files(tmp_path)[name]
+    (f,) = resolve_inputs([str(tmp_path / name)])
+    f = count_records(f)
+    assert (f.records, f.layout, len(f.checkpoints)) == (len(recs), name.removesuffix(".json"), 3)
+    whole = list(read_records(replace(f, checkpoints=()), 0, f.records))  # parsed from the start
+    assert [r for _, r in whole] == recs
+    for a, b in [(0, 1), (0, 1024), (1023, 1025), (1024, 2048), (1500, 2560), (2559, 2560),
+                 (700, 2100), (2048, 2048)]:  # fmt: skip
+        assert list(read_records(f, a, b)) == whole[a:b], (a, b)
+    # The seek is real: the first record's bytes, garbled after counting, stay unread by a
+    # later block (a whole parse would now fail on them).
+    path = tmp_path / name
+    data = bytearray(path.read_bytes())
+    at = f.checkpoints[0][0]
+    data[at : at + 4] = b"@@@@"
+    path.write_bytes(bytes(data))
+    assert list(read_records(f, 1100, 2000)) == whole[1100:2000]
+    if name == "lines.json":  # a line that does not parse is a bad record
+        assert getattr(next(read_records(f, 0, 5))[1], "reason", None) == "malformed_json"
+    else:
+        with pytest.raises(InputError, match="changed since it was counted"):
+            list(read_records(f, 0, 5))
+
+
+def test_a_json_array_that_changed_after_counting_is_refused(tmp_path: Path):
+    recs = _seek_point_files(tmp_path)["array.json"]
+    (f,) = resolve_inputs([str(tmp_path / "array.json")])
+    f = count_records(f)
+    (tmp_path / "array.json").write_text(json.dumps([*recs, {"text": "one more"}]))
+    for a, b in [(2400, 2560), (0, 10)]:
+        with pytest.raises(InputError, match="changed since it was counted"):
+            list(read_records(f, a, b))
+
+
+def test_a_compressed_json_array_has_no_seek_points(tmp_path: Path):
+    recs = _seek_point_files(tmp_path)["array.json"]
+    (tmp_path / "z.json.gz").write_bytes(gzip.compress((tmp_path / "array.json").read_bytes()))
+    (f,) = resolve_inputs([str(tmp_path / "z.json.gz")])
+    f = count_records(f)
+    assert (f.records, f.checkpoints) == (len(recs), ())
+    assert [r for _, r in read_records(f, 1030, 1040)] == recs[1030:1040]
