@@ -230,7 +230,11 @@ def prepare_tokenizer(cfg: PackConfig, source: TokenizerSource | None) -> Driver
         if encoder.renderer is not None:
             check_renderer(encoder.renderer, hf_exact_render(tok, cfg.template_kwargs))
         tok_pad = pad_or_eos(tok)
-        if key:
+        # stored only when the files are still those keyed: an edit during the load is not
+        # filed under the files before it
+        if key and key == tokenizer_cache.cache_key(
+            source, cfg.trust_remote_code, cfg.template_kwargs
+        ):
             tokenizer_cache.write(key, encoder.payload, tok_pad)
     if encoder.profile is not None and not set(cfg.loss_roles) & encoder.profile.roles:
         raise TokenizerError(

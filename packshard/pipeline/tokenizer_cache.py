@@ -8,16 +8,18 @@ a Rust tokenizer. What the driver keeps of it is small and deterministic: the pa
 workers rebuild the tokenizer from, the pad id, and the fact that packshard's chat rendering
 matched `apply_chat_template` on the probe chats. That is what this module stores, one JSON file
 per key under ``$PACKSHARD_CACHE_DIR/tokenizers/`` (default ``~/.cache/packshard``, or
-``$XDG_CACHE_HOME/packshard``). A hit costs ~50 ms and imports neither transformers nor torch.
+``$XDG_CACHE_HOME/packshard``). A hit costs ~0.1 s and imports neither transformers nor torch.
 
 The key covers everything the cached result depends on, so a hit is what a fresh load would
 give:
 
 - the tokenizer's files: for a directory, the name and bytes of every file in it and in its
   subdirectories (chat templates live in one), model weights and files over 256 MiB excepted
-  (a directory with more than 1,000 such files or 512 MiB of them is not cached);
+  (a directory with more than 1,000 files or 512 MiB of hashable ones is not cached);
   for a hub tokenizer, its name and the commit it resolved to (a commit's files never change;
-  a revision that is not a commit is not cached);
+  a revision that is not a commit is not cached), and, when it loads from the local Hugging
+  Face cache only (offline, or the hub unreachable), the files of that commit's snapshot there
+  too (a snapshot may hold some of the commit's files, and gain the others later);
 - the versions of transformers, tokenizers, jinja2, huggingface_hub and of the converters
   (sentencepiece, protobuf, tiktoken; a conversion or a template feature may change with them),
   and the bytes of packshard's own rendering code;
@@ -26,10 +28,12 @@ give:
 Tokenizers loaded with ``trust_remote_code`` (their code may do anything) and the built-in demo
 tokenizer (built in-process) are never cached. A cached file must match the sha256 stored in
 it (over everything a hit hands out: payload, fingerprint, pad id), else it counts as a miss
-and is rewritten. The cache
-keeps the `MAX_ENTRIES` most recently used files. Reading or writing it never fails a job: an
-unusable directory only means no cache (logged at debug level). ``PACKSHARD_TOKENIZER_CACHE=0``
-turns it off; deleting the directory is always safe.
+and is rewritten. A load whose files changed while it ran is not stored. The cache keeps the
+`MAX_ENTRIES` most recently used files (~10 MB each for a 150K vocabulary). Reading or writing
+it never fails a job: an unusable directory or entry only means no cache (logged at debug
+level). Entries are readable by their owner only: the cache is per user (a directory shared by
+several users gives each of them misses). ``PACKSHARD_TOKENIZER_CACHE=0`` turns it off; deleting
+the directory is always safe.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 MAX_ENTRIES = 16
+STALE_TMP_S = 3600  # a temporary file this old was left by a writer that died
 MAX_FILE_BYTES = 256 << 20  # a file this large is no tokenizer file (a dataset, a checkpoint)
 MAX_HASHED_FILES, MAX_HASHED_BYTES = 1000, 512 << 20  # beyond these: not cached
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")  # fmt: skip
@@ -127,9 +133,31 @@ def _hash_directory(h: Any, root: Path) -> bool:
 def cache_key(
     source: TokenizerSource, trust_remote_code: bool, template_kwargs: Mapping[str, Any]
 ) -> str | None:
-    """The key of this tokenizer's cached payload; None when it must not be cached."""
+    """The key of this tokenizer's cached payload; None when it must not be cached (or the key
+    cannot be computed: a cache problem never fails a job)."""
     if trust_remote_code or source.source == "builtin":
         return None
+    try:
+        return _key(source, template_kwargs)
+    except Exception as e:  # an install without sources, an unreadable file, a hub cache quirk
+        log.debug(
+            "tokenizer cache: no key for %s (%s: %s); not cached", source.spec, type(e).__name__, e
+        )
+        return None
+
+
+def _snapshot(source: TokenizerSource) -> Path | None:
+    """The local Hugging Face cache's folder of a hub tokenizer's commit, if it holds one."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("tokenizer_config.json", "tokenizer.json"):
+        found = try_to_load_from_cache(source.spec, filename, revision=source.revision)
+        if isinstance(found, str):
+            return Path(found).parent
+    return None
+
+
+def _key(source: TokenizerSource, template_kwargs: Mapping[str, Any]) -> str | None:
     h = hashlib.sha256(f"packshard tokenizer cache {FORMAT}\0".encode())
     for dist in VERSIONED:
         h.update(f"{dist}={_version(dist)}\0".encode())
@@ -144,6 +172,10 @@ def cache_key(
         if not source.revision or not _COMMIT.fullmatch(source.revision):
             return None
         h.update(f"\0hub {source.spec} {source.revision}".encode())
+        if source.local_files_only:  # what the local cache holds of the commit is what loads
+            folder = _snapshot(source)
+            if folder is None or not _hash_directory(h, folder):
+                return None
     else:
         assert source.path is not None
         try:
@@ -164,6 +196,8 @@ def read(key: str, name: str) -> tuple[TokenizerPayload, int | None] | None:
     path = root / f"{key}.json"
     try:
         entry = json.loads(path.read_text())
+        if not isinstance(entry, dict):
+            raise ValueError(f"the entry is a {type(entry).__name__}")
         if entry.get("format") != FORMAT or entry.get("sha256") != _entry_digest(entry):
             log.debug("tokenizer cache: %s is damaged or of another format", path)
             return None
@@ -173,7 +207,7 @@ def read(key: str, name: str) -> tuple[TokenizerPayload, int | None] | None:
         pad = entry["pad_token_id"]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # damaged in any way (RecursionError for a deeply nested one)
         log.debug("tokenizer cache: %s is unusable (%s); loading the tokenizer", path, e)
         return None
     with contextlib.suppress(OSError):  # a read-only cache still serves hits
@@ -215,12 +249,18 @@ def _entry_digest(entry: dict[str, Any]) -> str:
 
 
 def _prune(root: Path) -> None:
-    """Keep the MAX_ENTRIES most recently used entries."""
+    """Keep the MAX_ENTRIES most recently used entries; remove temporary files that a writer
+    left behind (older than STALE_TMP_S: one being written is not touched)."""
     entries = []
+    now = time.time()
     for p in root.glob("*.json"):
         try:
-            entries.append((p.stat().st_mtime, p))
+            mtime = p.stat().st_mtime
         except FileNotFoundError:
             continue  # pruned by another job meanwhile
+        if not p.name.startswith(".tmp-"):
+            entries.append((mtime, p))
+        elif now - mtime > STALE_TMP_S:
+            p.unlink(missing_ok=True)
     for _, p in sorted(entries, reverse=True)[MAX_ENTRIES:]:
         p.unlink(missing_ok=True)

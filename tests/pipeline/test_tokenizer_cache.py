@@ -156,12 +156,18 @@ def test_an_edited_template_is_loaded_again(cache: Path, tok_dir: Path):
     assert len(list(cache.glob("*.json"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "payload", "eos", "pad", "format"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "payload", "eos", "pad", "format", "not_an_object", "deep"]
+)
 def test_a_damaged_entry_is_a_miss_and_is_rewritten(cache: Path, tok_dir: Path, damage: str):
     fresh = prepare(tok_dir)
     [entry] = cache.glob("*.json")
     if damage == "truncate":
         entry.write_bytes(entry.read_bytes()[:1000])
+    elif damage == "not_an_object":
+        entry.write_text("null")
+    elif damage == "deep":  # json raises RecursionError, not a ValueError
+        entry.write_text("[" * 100_000 + "]" * 100_000)
     else:
         data = json.loads(entry.read_text())
         if damage == "payload":  # a token id changed: the entry's digest no longer matches
@@ -235,3 +241,92 @@ def test_the_cache_keeps_the_most_recently_used_entries(
     assert tokenizer_cache.read("k2", "t") is not None  # used now: the newest
     tokenizer_cache.write("k5", payload, 0)
     assert sorted(p.stem for p in cache.glob("*.json")) == ["k2", "k4", "k5"]
+
+
+def test_a_cache_key_that_cannot_be_computed_is_no_cache(
+    cache: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An install without packshard's .py sources (compiled only): no key, a plain load."""
+    monkeypatch.setattr(tokenizer_cache, "OWN_CODE", (*tokenizer_cache.OWN_CODE, "gone.py"))
+    assert not prepare(tok_dir).cached and not prepare(tok_dir).cached
+    assert not cache.exists() or not list(cache.glob("*.json"))
+
+
+def test_files_edited_during_the_load_are_not_stored(
+    cache: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    config = tok_dir / "tokenizer_config.json"
+    before = config.read_text()
+    load = pack.load_located
+
+    def edit_then_load(source: TokenizerSource, trust_remote_code: bool) -> object:
+        data = json.loads(before)
+        data["chat_template"] = data["chat_template"].replace("<|im_start|>", "<|im_start|> ", 1)
+        config.write_text(json.dumps(data))  # lands after the key was taken
+        return load(source, trust_remote_code)
+
+    monkeypatch.setattr(pack, "load_located", edit_then_load)
+    assert not prepare(tok_dir).cached
+    assert not list(cache.glob("*.json"))  # a revert of the edit would otherwise hit it
+    monkeypatch.setattr(pack, "load_located", load)
+    config.write_text(before)
+    assert not prepare(tok_dir).cached and prepare(tok_dir).cached
+
+
+def test_an_offline_hub_snapshot_that_gains_files_misses(shared_data: Path, tmp_path: Path):
+    """Offline, a hub tokenizer loads from whatever the local Hugging Face cache holds of its
+    commit; a snapshot that gains a file (a fuller download later) is another key."""
+    script = textwrap.dedent(
+        f"""
+        import json, os, shutil, sys
+        from pathlib import Path
+        root = Path({str(tmp_path)!r})
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        repo = root / "hf" / "models--acme--tok"
+        snap = repo / "snapshots" / commit
+        shutil.copytree({str(shared_data / QWEN)!r}, snap)
+        (snap / "config.json").write_text(json.dumps({{"model_type": "qwen2"}}))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        os.environ.update(HF_HUB_CACHE=str(root / "hf"), HF_HUB_OFFLINE="1",
+                          PACKSHARD_CACHE_DIR=str(root / "cache"))
+        from packshard.pipeline import pack
+        from packshard.pipeline.config import config_from_args
+        from packshard.pipeline.tokenizer_loading import load_located, locate_tokenizer
+        cfg = config_from_args(["--input", "x.jsonl", "--output", "out", "--tokenizer",
+                                "acme/tok", "--seq-len", "4096", "--cp", "8"])
+        def prepare():
+            load_located.cache_clear()
+            t = pack.prepare_tokenizer(cfg, locate_tokenizer("acme/tok"))
+            return [t.cached, t.info["fingerprint"]]
+        got = [prepare(), prepare()]
+        (snap / "chat_template.jinja").write_text(
+            "{{% for m in messages %}}[{{{{ m.role }}}}]{{{{ m.content }}}}{{% endfor %}}"
+            "{{% if add_generation_prompt %}}[assistant]{{% endif %}}")
+        got += [prepare(), prepare()]
+        print(json.dumps(got))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (miss, fp1), (hit, fp2), (miss2, fp3), (hit2, fp4) = json.loads(out.stdout.splitlines()[-1])
+    assert (miss, hit, miss2, hit2) == (False, True, False, True)
+    assert fp1 == fp2 != fp3 == fp4
+
+
+def test_pruning_removes_only_stale_temporary_files(cache: Path):
+    import os
+    import time
+
+    from packshard.pipeline.tokenizer_loading import TokenizerPayload
+
+    cache.mkdir(parents=True)
+    stale, fresh = cache / ".tmp-dead.json", cache / ".tmp-writing.json"
+    for p in (stale, fresh):
+        p.write_text("{")
+    old = time.time() - tokenizer_cache.STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    tokenizer_cache.write("k", TokenizerPayload(name="t", fingerprint="f"), 0)
+    assert not stale.exists() and fresh.exists() and (cache / "k.json").exists()
