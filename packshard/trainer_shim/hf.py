@@ -48,7 +48,8 @@ How Trainer wraps an IterableDataset, and what this module does about it (accele
   are refused (each would read every row).
 - Trainer fetches ahead (accelerate keeps one batch in hand), so "where the stream is" is not
   "what was trained": the dataset keeps the stream's position after each item it yielded, and
-  the callback saves the position after the ``global_step * batch * grad_accum`` items trained.
+  the callback saves the position after the ``global_step * batch * grad_accum`` items trained
+  (``/ sp`` under DeepSpeed's sequence parallelism).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class StreamStateCallback(TrainerCallback):
       with Trainer's default it starts from the beginning and Trainer's own skip of the trained
       batches brings it there, which the callback checks against the saved position at the
       first step. Either way the resumed run sees the rows the uninterrupted one would have.
+      Under DeepSpeed's sequence parallelism only ``ignore_data_skip=True`` resumes (Trainer's
+      skip cannot reach through its Ulysses adapter; the callback says so).
     - Turns accelerate's IterableDatasetShard into a pass-through (module docstring).
     - Feeds a `TrainedTokenMeter` the trained rows of each step and adds to every log:
       ``trained_tokens``, ``trained_tokens_per_s``, ``trained_tokens_per_s_per_gpu``,
@@ -166,16 +169,16 @@ class StreamStateCallback(TrainerCallback):
             from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
         except ImportError:
             return
+        for _ in range(3):  # DeepSpeed's Ulysses SP adapter holds the loader as `.dl`
+            if dataloader is None or hasattr(dataloader, "dataset"):
+                break
+            dataloader = getattr(dataloader, "dl", None)
         if isinstance(dataloader, DataLoaderDispatcher) and world > 1:
             raise ValueError(
                 "accelerate dispatches the batches of an IterableDataset from rank 0 and concatenates "
                 "them, which fails for packed rows of different lengths: pass "
                 "TrainingArguments(accelerator_config={'dispatch_batches': False})"
             )
-        for _ in range(3):  # DeepSpeed's Ulysses SP adapter holds the loader as `.dl`
-            if dataloader is None or hasattr(dataloader, "dataset"):
-                break
-            dataloader = getattr(dataloader, "dl", None)
         shard = getattr(dataloader, "dataset", None)
         if isinstance(shard, IterableDatasetShard) and shard.dataset is self.dataset:
             if shard.num_processes > 1:
@@ -206,6 +209,14 @@ class StreamStateCallback(TrainerCallback):
         step = state.global_step
         self._base_step, self._base_items, self._check = 0, self.dataset._start_items, None
         if step > 0:
+            if not args.ignore_data_skip and parallel_sizes()[2] > 1:
+                raise ValueError(
+                    "resuming under DeepSpeed's sequence parallelism needs "
+                    "TrainingArguments(ignore_data_skip=True): Trainer's skip of the trained "
+                    "batches (accelerate's skip_first_batches) cannot reach the loader inside "
+                    "DeepSpeed's Ulysses adapter. With it, the dataset resumes from the position "
+                    "saved in the checkpoint, reading nothing twice"
+                )
             saved = (state.stateful_callbacks or {}).get(STATE_KEY)
             self._resume(saved, step, bool(args.ignore_data_skip))
         self._trained = self._base_items + (step - self._base_step) * self._per_step

@@ -64,16 +64,24 @@ class PackedRow(Mapping[str, Any]):
 
 def topology_for(rank: int, world: int, *, tp: int = 1, cp: int = 1, sp: int = 1) -> Topology:
     """The data-parallel rank and size of global `rank` under accelerate's mesh order
-    (dp_replicate, dp_shard, cp, sp, tp; tp fastest). The ranks of one (cp, tp) group read the
-    same rows; sequence-parallel ranks read different rows (DeepSpeed's Ulysses adapter gathers
-    one batch from each SP rank and trains them in turn), so each (dp, sp) pair is a data rank."""
+    (dp_replicate, dp_shard, cp, tp; tp fastest). The ranks of one (cp, tp) group read the
+    same rows. Sequence-parallel ranks read different rows (DeepSpeed's Ulysses adapter gathers
+    one batch from each SP rank and trains them in turn), so with sp > 1 every rank is a data
+    rank; DeepSpeed groups SP ranks as consecutive global ranks, whatever accelerate's mesh
+    says, so sp > 1 together with tp or cp > 1 is refused (which ranks would share rows is
+    not known here)."""
     group = tp * cp * sp
     if min(tp, cp, sp) < 1 or world % group:
         raise ValueError(
             f"world size {world} is not a multiple of tp*cp*sp = {tp}*{cp}*{sp} = {group}"
         )
-    dp_index, sp_index = rank // group, (rank // tp) % sp
-    return Topology(dp_rank=dp_index * sp + sp_index, dp_size=world // (tp * cp))
+    if sp > 1 and tp * cp > 1:
+        raise ValueError(
+            f"PackedShardDataset: sequence parallelism (sp={sp}) together with tp={tp} / cp={cp} "
+            "is not supported: DeepSpeed puts consecutive ranks in one SP group, accelerate's "
+            "mesh puts TP and CP ranks there, so the ranks that must share rows are not known"
+        )
+    return Topology(dp_rank=rank // (tp * cp), dp_size=world // (tp * cp))
 
 
 def parallel_sizes() -> tuple[int, int, int, str]:
@@ -97,8 +105,8 @@ WRAPPER_FRAMES = 10  # callers of __iter__ looked at for an accelerate wrapper
 class PackedShardDataset(IterableDataset):
     """This rank's packed rows of a packshard dataset, one `PackedRow` per item (module
     docstring). ``rows_per_rank`` rows per rank make one planning step (cost-balanced across
-    DP ranks): set it to ``per_device_train_batch_size * gradient_accumulation_steps`` so a
-    planning step is an optimizer step. Other keyword arguments go to `PackedShardStream`
+    DP ranks): set it to ``per_device_train_batch_size * gradient_accumulation_steps`` (``/ sp``
+    under DeepSpeed's sequence parallelism) so a planning step is an optimizer step. Other keyword arguments go to `PackedShardStream`
     (seed, epochs, shuffle, balance, cache_dir, storage_options, prefetch, read_threads,
     seq_len, cost_model, verify, cache_limit_bytes, read_ahead_bytes, stall_timeout_s).
     Unsized: give Trainer ``max_steps`` (`micro_batches_per_epoch` helps)."""

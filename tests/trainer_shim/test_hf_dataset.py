@@ -25,6 +25,7 @@ from packshard.trainer_shim.hf import (
     packed_collator,
     topology_for,
 )
+from packshard.trainer_shim.topology import Topology
 
 
 def rows_of(items) -> list[int]:
@@ -98,15 +99,15 @@ def test_topology_follows_accelerates_mesh_order(
     with pytest.raises(ValueError, match="multiple"):
         topology_for(0, 6, cp=4)
     # DeepSpeed's sequence-parallel ranks each read rows of their own (its Ulysses adapter
-    # gathers one batch from every SP rank); with tp=2 the TP pairs still share: mesh (dp 2,
-    # sp 2, tp 2), rank = (dp * 2 + sp) * 2 + tp
-    assert [topology_for(r, 8, sp=2, tp=2).dp_rank for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert {topology_for(r, 8, sp=2, tp=2).dp_size for r in range(8)} == {4}
-    # with cp as well (mesh dp, cp, sp, tp): the cp ranks of one (dp, sp) share rows
-    grid = [(topology_for(r, 16, cp=2, sp=2, tp=2).dp_rank, r) for r in range(16)]
-    for r in range(16):
-        dp, cp, sp = r // 8, (r // 4) % 2, (r // 2) % 2
-        assert grid[r][0] == dp * 2 + sp, (r, cp)
+    # gathers one batch from every SP rank and trains them in turn)
+    assert [topology_for(r, 8, sp=2) for r in range(8)] == [
+        Topology(dp_rank=r, dp_size=8) for r in range(8)
+    ]
+    # DeepSpeed's SP groups are consecutive global ranks, not accelerate's mesh: with TP or CP
+    # beside SP, which ranks must share rows is unknown, so it is refused
+    for kw in ({"tp": 2}, {"cp": 2}, {"cp": 2, "tp": 2}):
+        with pytest.raises(ValueError, match="sequence parallelism"):
+            topology_for(0, 16, sp=2, **kw)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
@@ -225,6 +226,33 @@ def test_the_callback_finds_accelerates_shard_inside_an_sp_adapter(small_dataset
     )  # fmt: skip
     StreamStateCallback(ds)._unshard(SimpleNamespace(dl=dl), world=2)
     assert dl.dataset.num_processes == 1
+
+
+def test_the_dispatcher_is_refused_inside_an_sp_adapter(small_dataset: Path):
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    ds = PackedShardDataset(str(small_dataset), dp_rank=0, dp_size=1, rows_per_rank=2)
+    dispatcher = DataLoaderDispatcher.__new__(DataLoaderDispatcher)  # what prepare would build
+    dispatcher.dataset = ds
+    with pytest.raises(ValueError, match="dispatch_batches"):
+        StreamStateCallback(ds)._unshard(SimpleNamespace(dl=dispatcher), world=2)
+
+
+def test_a_resume_under_deepspeed_sp_needs_ignore_data_skip(
+    small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Trainer's skip_first_batches reads `.dataset` of the loader it is given, which DeepSpeed's
+    Ulysses adapter lacks: the resume would fail inside accelerate, so the callback refuses it
+    first, naming the setting that works."""
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    ds = PackedShardDataset(str(small_dataset), dp_rank=0, dp_size=2, rows_per_rank=1)
+    args = SimpleNamespace(
+        n_gpu=1, dataloader_num_workers=0, world_size=2, per_device_train_batch_size=1,
+        gradient_accumulation_steps=2, ignore_data_skip=False,
+    )  # fmt: skip
+    state = SimpleNamespace(global_step=3, stateful_callbacks={}, max_steps=4)
+    with pytest.raises(ValueError, match=r"ignore_data_skip=True\): Trainer's skip"):
+        StreamStateCallback(ds).on_train_begin(args, state, None)
 
 
 def test_positions_after_items_are_kept_for_the_callback(small_dataset: Path):
