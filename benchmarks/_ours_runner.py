@@ -4,9 +4,10 @@ printing one JSON line (the twin of `_mosaic_runner.py read`).
     python benchmarks/_ours_runner.py URL [--storage-options JSON] [--kw JSON]
 
 The timed window opens before the `PackedShardStream` constructor (which reads manifest.json
-and index.arrow, from the object store for an s3:// URL, and creates the s3fs client) and
-closes after the epoch's last micro-batch. Modules are imported before it opens (packshard,
-torch, and s3fs for an s3:// URL), as the Mosaic runner imports streaming and boto3 first, and
+and index.arrow, from the object store for an s3:// URL, and creates the S3 client: pyarrow's,
+or s3fs' with ``PACKSHARD_S3_CLIENT=s3fs``, see packers/s3_reading.py) and closes after the
+epoch's last micro-batch. Modules are imported before it opens (packshard, torch, and s3fs and
+pyarrow.fs for an s3:// URL), as the Mosaic runner imports streaming and boto3 first, and
 both run a full garbage collection then: the first full collection after importing torch walks
 ~240K objects (~150 ms here) and would otherwise land in whichever window happens to trigger it.
 `--kw` passes stream keyword arguments (`cache_dir`, `read_threads`, `prefetch`, ...).
@@ -29,7 +30,8 @@ from packshard.trainer_shim import PackedShardStream
 
 def read(url: str, storage_options: dict | None, kw: dict) -> dict:
     if url.startswith("s3://"):
-        import s3fs  # noqa: F401  (outside the window: see the module docstring)
+        import pyarrow.fs  # noqa: F401  (outside the window: see the module docstring)
+        import s3fs  # noqa: F401
     gc.collect()  # the imports' deferred full collection, outside the window on both sides
     t0 = time.perf_counter()
     stream = PackedShardStream(

@@ -143,11 +143,18 @@ def mosaic_read(
     return _run_json(cmd, {**S3_ENV, "S3_ENDPOINT_URL": endpoint} if endpoint else None, timeout)
 
 
-def ours_read(url: str, *, storage_options: dict | None = None, **kw: object) -> dict:
+def ours_read(
+    url: str, *, storage_options: dict | None = None, s3_client: str | None = None, **kw: object
+) -> dict:
+    """One epoch of ours in a fresh process; `s3_client` sets PACKSHARD_S3_CLIENT (arrow /
+    s3fs; packers/s3_reading.py), else its default (pyarrow's client where it applies)."""
     cmd = [sys.executable, str(OURS_RUNNER), url, "--kw", json.dumps(kw, default=str)]
     if storage_options:
         cmd += ["--storage-options", json.dumps(storage_options)]
-    return _run_json(cmd, S3_ENV if storage_options else None)
+    env = dict(S3_ENV) if storage_options else {}
+    if s3_client:
+        env["PACKSHARD_S3_CLIENT"] = s3_client
+    return _run_json(cmd, env or None)
 
 
 class MotoServer:

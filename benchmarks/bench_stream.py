@@ -10,7 +10,8 @@ quality of the DP balance (cost vs count).
    moto S3 server that the script starts on 127.0.0.1 (and stops). From S3 both sides start
    with an empty local cache, so the time includes downloading the shards (Mosaic always
    downloads whole shards; ours with `cache_dir`). Ours without a cache (range reads) is shown
-   too. Ours delivers full micro-batches (labels, position ids, cu_seqlens, ks/ke as torch
+   too, through pyarrow's S3 client (its default where it applies: packers/s3_reading.py) and
+   through s3fs (``PACKSHARD_S3_CLIENT=s3fs``). Ours delivers full micro-batches (labels, position ids, cu_seqlens, ks/ke as torch
    tensors); Mosaic delivers raw numpy samples, the most favourable reading for it.
    Runs are interleaved (ours, Mosaic, ours, ...) and the table holds medians.
 2. Balance. A long-trajectory mix (SWE-agent trajectories, Wikipedia articles, books split at
@@ -345,6 +346,7 @@ def head_to_head(
         jobs |= {
             "ours S3, cache_dir": cold(caches, lambda c: ours_read("s3://bench/ours", storage_options=opts, cache_dir=c)),
             "ours S3, no cache": lambda rep: ours_read("s3://bench/ours", storage_options=opts),
+            "ours S3, no cache, s3fs": lambda rep: ours_read("s3://bench/ours", storage_options=opts, s3_client="s3fs"),
             "Mosaic S3 + build": cold(caches, lambda c: mosaic_read(py, c, best_s3, remote=remote, build=True, endpoint=server.endpoint)),
             "Mosaic S3": cold(caches, lambda c: mosaic_read(py, c, best_s3, remote=remote, endpoint=server.endpoint)),
         }  # fmt: skip
@@ -359,6 +361,7 @@ def result_table(results: dict[str, list[dict]]) -> list[list[object]]:
         ("ours local", "Mosaic local"),
         ("ours S3, cache_dir", "Mosaic S3"),
         ("ours S3, no cache", "Mosaic S3"),
+        ("ours S3, no cache, s3fs", "Mosaic S3"),
     ):
         if ours_name not in results:
             continue
@@ -439,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({ours_bytes / 2**20:.1f} MiB) and as MDS shards with the same bytes per row (loss_mask as bits on both sides, "
         f"{mds_bytes['64MiB'] / 2**20:.1f} MiB). One rank, one shuffled epoch, each run a fresh process, timed from the "
         "reader's constructor (manifest/index reads, S3 client creation, downloads) to the epoch's last row; library "
-        f"imports (packshard, torch, s3fs / streaming, torch, boto3) before the window on both sides. Medians of {args.repeats} "
+        f"imports (packshard, torch, s3fs, pyarrow.fs / streaming, torch, boto3) before the window on both sides; ours reads S3 through pyarrow's S3 client (packers/s3_reading.py), Mosaic through boto3. Medians of {args.repeats} "
         "interleaved rounds; moto's S3 server runs in its own process; every cold-cache run (both sides) starts from an empty cache directory, deleted after it, on tmpfs (/dev/shm) where it has room (this disk, mounted with online discard, slows writes at random after a deletion), and the disk is synced before every run. Ours yields training-ready micro-batches (labels, "
         "position ids, cu_seqlens, ks/ke as torch tensors; every row checked against its checksum); \"Mosaic + same build\" "
         "turns each Mosaic sample into the same micro-batch with packshard's build_microbatch (the same work, the ratio "

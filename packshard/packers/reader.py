@@ -62,6 +62,7 @@ from packshard.packers.manifest import (
     check_index,
     parse_manifest,
 )
+from packshard.packers.s3_reading import reading_fs
 from packshard.packers.shard_file import LIST_COLUMNS, BatchArrays, LocalShard, RemoteShard, Row
 from packshard.packers.urls import dataset_url, redact_text, redact_url
 from packshard.packers.writer import is_local, url_to_fs
@@ -99,7 +100,7 @@ class ShardDataset:
         url = dataset_url(url)
         shown = redact_url(url)
         try:
-            fs, root = url_to_fs(url, storage_options)
+            fs, root = reading_fs(url, storage_options) or url_to_fs(url, storage_options)
         except ValueError as e:  # fsspec: an unknown protocol, a bad storage option
             raise StorageError(
                 f"{shown}: cannot open its filesystem ({redact_text(str(e))})"

@@ -16,6 +16,14 @@ from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 pytestmark = pytest.mark.s3
 
+
+@pytest.fixture(autouse=True, params=["arrow", "s3fs"])
+def s3_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test reads through pyarrow's S3 client and through s3fs (packers.s3_reading)."""
+    monkeypatch.setenv("PACKSHARD_S3_CLIENT", request.param)
+    return request.param
+
+
 LENGTHS = np.random.default_rng(4).integers(5, 300, 150)
 KW = {"seq_len": 512, "pad_multiple": 4, "max_rows_per_shard": 12, "rows_per_batch": 4}
 STREAM = {

@@ -11,6 +11,13 @@ from packshard.packers import DatasetWriter, ShardDataset, pack_table
 pytestmark = pytest.mark.s3
 
 
+@pytest.fixture(autouse=True, params=["arrow", "s3fs"])
+def s3_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test reads through pyarrow's S3 client and through s3fs (packers.s3_reading)."""
+    monkeypatch.setenv("PACKSHARD_S3_CLIENT", request.param)
+    return request.param
+
+
 def write_s3(url, s3_server, ids, seq_len, **writer_kw):
     """Pack token lists `ids` at `seq_len` and write them to `url`; (packed batch, manifest)."""
     table = pa.table({"input_ids": pa.array(ids, type=pa.list_(pa.int32()))})
