@@ -14,9 +14,11 @@ go without asking: an endpoint (the options, ``AWS_ENDPOINT_URL_S3`` or ``AWS_EN
 a region (the options, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``): s3fs follows a bucket to its
 region, pyarrow does not. Any other option (a profile, ``config_kwargs``, requester pays...), or a
 proxy in the environment (botocore honours ``HTTPS_PROXY``; pyarrow's client is not given it),
-keeps s3fs. Credentials not in the options come from the same places for both (environment, AWS
-config files, instance metadata). ``PACKSHARD_S3_CLIENT=s3fs`` always uses s3fs; ``=arrow`` uses
-pyarrow's client or fails saying why it cannot. Writing (the pack job) always uses s3fs.
+keeps s3fs, as do an AWS endpoint without a region and an ``anon`` that is not a bool.
+Credentials not in the options come from the same places for both (environment, AWS config
+files, instance metadata; ``AWS_CA_BUNDLE`` is passed on). ``PACKSHARD_S3_CLIENT=s3fs`` always
+uses s3fs; ``=arrow`` uses pyarrow's client or fails saying why it cannot. Writing (the pack
+job) always uses s3fs.
 
 The filesystem is fsspec's wrapper of pyarrow's (so everything else reads it as any fsspec
 filesystem), with `cat_ranges` sending its ranges concurrently on a pool of threads.
@@ -177,11 +179,16 @@ def arrow_s3_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], str | 
         or env.get("AWS_REGION")
         or env.get("AWS_DEFAULT_REGION")
     )
+    anon = options.get("anon", False)
+    if not isinstance(anon, bool):
+        return f"anon={anon!r} is not true or false"
     kw: dict[str, Any] = {}
     if endpoint:
         parts = urllib.parse.urlsplit(str(endpoint))
         if parts.scheme not in ("http", "https") or not parts.netloc:
             return f"an endpoint pyarrow's client cannot take: {parts.scheme}://..."
+        if not region and (parts.hostname or "").endswith("amazonaws.com"):
+            return "an AWS endpoint without a region (s3fs finds the bucket's)"
         proxied = urllib.request.getproxies().get(parts.scheme)
         if proxied and not urllib.request.proxy_bypass(parts.hostname or ""):
             return "a proxy is set in the environment"
@@ -192,8 +199,10 @@ def arrow_s3_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], str | 
         return "a proxy is set in the environment"
     if region:
         kw["region"] = str(region)
-    if options.get("anon"):
+    if anon:
         kw["anonymous"] = True
+    if env.get("AWS_CA_BUNDLE"):  # botocore's certificate bundle setting; pyarrow takes it so
+        kw["tls_ca_file_path"] = env["AWS_CA_BUNDLE"]
     for ours, theirs in (("key", "access_key"), ("secret", "secret_key"), ("token", "session_token")):  # fmt: skip
         if options.get(ours) is not None:
             kw[theirs] = str(options[ours])

@@ -13,7 +13,7 @@ from packshard.packers.s3_reading import ArrowS3FileSystem, arrow_s3_options, re
 
 ENV = ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
        "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy",
-       "PACKSHARD_S3_CLIENT")  # fmt: skip
+       "PACKSHARD_S3_CLIENT", "AWS_CA_BUNDLE")  # fmt: skip
 
 
 @pytest.fixture
@@ -38,6 +38,13 @@ def test_storage_options_translate_or_say_why_not(clean_env: pytest.MonkeyPatch)
                   "anonymous": True}  # fmt: skip
     assert "profile, requester_pays" in arrow_s3_options({"profile": "p", "requester_pays": True})
     assert "client_kwargs.verify" in arrow_s3_options({"client_kwargs": {"verify": False}})
+    assert "anon='false'" in arrow_s3_options({"endpoint_url": "http://h:1", "anon": "false"})
+    aws = {"endpoint_url": "https://s3.eu-west-1.amazonaws.com"}  # signed for us-east-1 else
+    assert "AWS endpoint without a region" in arrow_s3_options(aws)
+    assert arrow_s3_options({**aws, "region": "eu-west-1"})[0]["region"] == "eu-west-1"
+    clean_env.setenv("AWS_CA_BUNDLE", "/etc/ssl/corp.pem")
+    assert arrow_s3_options(aws | {"region": "x"})[0]["tls_ca_file_path"] == "/etc/ssl/corp.pem"
+    clean_env.delenv("AWS_CA_BUNDLE")
     # AWS itself: s3fs follows a bucket to its region, pyarrow's client needs it said
     assert "neither an endpoint nor a region" in arrow_s3_options({})
     clean_env.setenv("AWS_REGION", "eu-west-1")
