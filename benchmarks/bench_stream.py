@@ -212,13 +212,14 @@ def build_datasets(
     ours = work / "ours"
     config = {"seq_len": seq_len, "cp": 8, "pad_multiple": 8, "pad_token_id": 0, "packing": {"algorithm": "bfd"}, "overlong": "split",
               "seed": 0, "inputs": ["bench-mix"], "tokenizer": {"name": "synthetic", "fingerprint": "-"}}  # fmt: skip
-    w = DatasetWriter(str(ours), config)
-    w.write(batch)
-    manifest = w.close({"samples_in": 0, "samples_kept": 0, "dropped": {}})
     ids_off, ids = list_parts(batch.column("input_ids"), np.int32)
     _, mask = list_parts(batch.column("loss_mask"), np.uint8)
     doc_off, docs = list_parts(batch.column("doc_lens"), np.int32)
     _, sids = list_parts(batch.column("sample_ids"), np.int64)
+    w = DatasetWriter(str(ours), config)
+    w.write(batch)
+    kept = int(np.unique(sids).size)  # the samples the rows hold (split ones count once)
+    manifest = w.close({"samples_in": kept, "samples_kept": kept, "dropped": {}})
     raw = work / "rows.npz"
     np.savez(
         raw,
