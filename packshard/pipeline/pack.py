@@ -144,6 +144,7 @@ def start_local_ray(num_cpus: int | None) -> None:
     # which happens on a busy machine; give them two minutes (the user's setting wins).
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = _descendants()
         try:
             ray.init(
                 address="local",
@@ -152,12 +153,16 @@ def start_local_ray(num_cpus: int | None) -> None:
                 logging_level=logging.WARNING,
             )
             return
-        except Exception as e:  # ray/_private/node.py raises exactly Exception for this case
+        except BaseException as e:
+            if not isinstance(e, Exception):  # Ctrl-C while the node starts
+                _stop_new_processes(before)
+                raise
+            retry = e  # ray/_private/node.py raises exactly Exception for this case
             # Ray's driver gives the node 30 s to register; a loaded machine can miss that.
             # That is worth another try; anything else (another type or message) is re-raised.
             if (
-                type(e) is not Exception
-                or "timed out during startup" not in str(e)
+                type(retry) is not Exception
+                or "timed out during startup" not in str(retry)
                 or attempt == RAY_START_ATTEMPTS
             ):
                 raise
@@ -167,6 +172,35 @@ def start_local_ray(num_cpus: int | None) -> None:
                 RAY_START_ATTEMPTS,
             )
             ray.shutdown()
+
+
+def _descendants() -> set[int]:
+    """The pids of this process's descendants (Ray ships psutil: ray/thirdparty_files)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _stop_new_processes(before: set[int]) -> None:
+    """Stop what an interrupted `ray.init` started: Ray's own shutdown, then the processes that
+    became this process's descendants since `before` (the node's GCS, raylet and the raylet's
+    agents, which Ray cannot reach when the interrupt came before it held the node: its
+    dashboard and runtime-env agents were left running for good)."""
+    import psutil
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    procs = []
+    for p in psutil.Process().children(recursive=True):
+        if p.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+                procs.append(p)
+    _, alive = psutil.wait_procs(procs, timeout=3)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 @contextlib.contextmanager
@@ -295,7 +329,8 @@ def run(cfg: PackConfig) -> int:
     started, counter = False, None
     try:
         if _cluster_is_up():
-            started, counter = start_ray(cfg), _start_counting(cfg, files)
+            started = start_ray(cfg)  # set before counting starts: a Ctrl-C there shuts it down
+            counter = _start_counting(cfg, files)
             phase("joined the Ray cluster; counting the inputs and warming the workers")
         try:
             tokenizer = prepare_tokenizer(cfg, checked.tokenizer)

@@ -141,3 +141,45 @@ def test_truncation_that_leaves_no_loss_token_is_counted_not_fatal(
     assert t["dropped"] == {} and (t["split_samples"], t["extra_pieces"]) == (2, 2)
     assert (t["lossless_pieces"], t["lossless_piece_tokens"]) == (1, 16)
     assert "1 pieces (16 tokens) carry no loss token" in capsys.readouterr().out
+
+
+def test_a_ctrl_c_while_ray_starts_leaves_no_process_behind(monkeypatch: pytest.MonkeyPatch):
+    """A Ctrl-C inside `ray.init` came before Ray held its new node, so `ray.shutdown` could not
+    stop it: the raylet's dashboard and runtime-env agents ran on for good. Here the node is a
+    child process that starts one of its own (the raylet and an agent); both must be gone."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil  # after ray: Ray ships it
+    import ray
+
+    node: list[int] = []
+
+    def interrupted_init(**_: Any) -> None:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+             "'-c', 'import time; time.sleep(120)']); time.sleep(120)"]
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not psutil.Process(child.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        node.extend([child.pid, *(p.pid for p in psutil.Process(child.pid).children())])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "init", interrupted_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # the module's Ray, if up, stays
+    with pytest.raises(KeyboardInterrupt):
+        start_local_ray(num_cpus=1)
+    assert len(node) == 2
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not all(gone(p) for p in node) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(p) for p in node)
