@@ -7,18 +7,25 @@ AWS SDK under pyarrow builds its client in ~0.02 s and receives on its own threa
 GIL. For bench_stream's 163 MB shard from a local S3 server, in fresh processes: s3fs 0.37-0.46
 s (client, HEAD, six concurrent 27 MB ranges), pyarrow 0.17-0.21 s.
 
-When. `reading_fs` gives this client for an ``s3://`` / ``s3a://`` dataset whose storage options
-it can translate in full: ``key``, ``secret``, ``token``, ``anon``, ``endpoint_url`` (also in
-``client_kwargs``, with ``region_name``) and ``region``. It also needs to know where requests
-go without asking: an endpoint (the options, ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``) or
-a region (the options, ``AWS_REGION`` or ``AWS_DEFAULT_REGION``): s3fs follows a bucket to its
-region, pyarrow does not. Any other option (a profile, ``config_kwargs``, requester pays...), or a
-proxy in the environment (botocore honours ``HTTPS_PROXY``; pyarrow's client is not given it),
-keeps s3fs, as do an AWS endpoint without a region and an ``anon`` that is not a bool.
-Credentials not in the options come from the same places for both (environment, AWS config
-files, instance metadata; ``AWS_CA_BUNDLE`` is passed on). ``PACKSHARD_S3_CLIENT=s3fs`` always
-uses s3fs; ``=arrow`` uses pyarrow's client or fails saying why it cannot. Writing (the pack
-job) always uses s3fs.
+When. `reading_fs` gives this client for an ``s3://`` / ``s3a://`` dataset when it would read
+what s3fs reads, from where s3fs would read it:
+- the storage options translate in full: ``key``, ``secret``, ``token``, ``anon``,
+  ``endpoint_url``, and ``client_kwargs`` holding only ``endpoint_url`` / ``region_name``
+  (a profile, ``config_kwargs``, requester pays... keep s3fs);
+- the endpoint is given (options, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``); on AWS
+  itself (no endpoint, or an ``*.amazonaws.com`` one) only with ``client_kwargs={"region_name":
+  ...}``: s3fs follows a bucket to its region, pyarrow's client does not, and the environment's
+  region is the machine's, not the bucket's;
+- credentials and endpoint given explicitly (``key`` / ``anon`` and an endpoint), or else no
+  AWS setting that pyarrow's client would follow differently: ``AWS_PROFILE``,
+  ``AWS_ROLE_ARN``, ``AWS_WEB_IDENTITY_TOKEN_FILE``, or an ``endpoint_url``, role, SSO or
+  credential process in the AWS config files;
+- no proxy in the environment (botocore honours ``HTTPS_PROXY``; pyarrow's client is not
+  given it), and the process was not forked from one that used pyarrow's S3 client (its locks
+  may be held: a request would hang).
+It waits as botocore does (60 s to connect, 60 s for a response) and takes ``AWS_CA_BUNDLE``.
+``PACKSHARD_S3_CLIENT=s3fs`` always uses s3fs; ``=arrow`` uses pyarrow's client or fails
+saying why it cannot. Writing (the pack job) always uses s3fs.
 
 The filesystem is fsspec's wrapper of pyarrow's (so everything else reads it as any fsspec
 filesystem), with `cat_ranges` sending its ranges concurrently on a pool of threads.
@@ -27,6 +34,7 @@ filesystem), with `cat_ranges` sending its ranges concurrently on a pool of thre
 from __future__ import annotations
 
 import os
+import re
 import threading
 import urllib.parse
 import urllib.request
@@ -41,44 +49,50 @@ from fsspec.implementations.arrow import ArrowFSWrapper
 S3_PROTOCOLS = ("s3", "s3a")
 CLIENT_ENV = "PACKSHARD_S3_CLIENT"
 RANGE_THREADS = 16  # concurrent range requests of all readers of a process
-_TRANSLATED = frozenset({"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "region"})  # fmt: skip
+_TRANSLATED = frozenset({"key", "secret", "token", "anon", "endpoint_url", "client_kwargs"})
+# settings of the AWS config files that pyarrow's client would not follow as botocore does
+_CONFIG_FEATURES = ("endpoint_url", "role_arn", "credential_process", "sso_", "web_identity")
+CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S = 60.0, 60.0  # botocore's defaults
 _CLIENT_KWARGS = frozenset({"endpoint_url", "region_name"})
 
 OPEN_OBJECTS = 64  # objects kept open per filesystem (an open is a HEAD request)
 
 _pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
 _pool_lock = threading.Lock()
+_arrow_pid = 0  # the process that first built a pyarrow S3 client (0: none yet)
 
 
 class ArrowS3FileSystem(ArrowFSWrapper):
     """fsspec's wrapper of `pyarrow.fs.S3FileSystem`: concurrent `cat_ranges`, ranged
     `cat_file`, objects opened once (their size is what the open asks; a dataset does not
-    change while it is read), and a new client in a forked child (the AWS SDK's threads do
-    not survive a fork)."""
+    change while it is read). Not usable in a forked child: pyarrow's S3 client holds locks
+    that a fork taken mid-request leaves held, so a child's first request would hang; it raises
+    instead (open the dataset again in the child: `reading_fs` gives it s3fs there)."""
 
     protocol = S3_PROTOCOLS
     cachable = False  # one instance per dataset opened: its options are in it, not in a token
 
     def __init__(self, arrow_kwargs: dict[str, Any], endpoint_url: str | None = None) -> None:
+        global _arrow_pid
         from pyarrow import fs as pafs
 
-        self._arrow_kwargs = dict(arrow_kwargs)
         self._arrow_pid = os.getpid()
-        super().__init__(pafs.S3FileSystem(**self._arrow_kwargs))
+        super().__init__(pafs.S3FileSystem(**arrow_kwargs))
+        _arrow_pid = _arrow_pid or os.getpid()
         self.endpoint_url = endpoint_url  # for format.unreachable_endpoint, as s3fs has it
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._files_lock = threading.Lock()
 
     @property
     def fs(self) -> Any:
-        if self._arrow_pid != os.getpid():  # a forked child: its own client and open objects
-            from pyarrow import fs as pafs
-
-            self._fs = pafs.S3FileSystem(**self._arrow_kwargs)
-            self._arrow_pid = os.getpid()
-            self._files = OrderedDict()
-            self._files_lock = threading.Lock()
+        if self._arrow_pid != os.getpid():
+            raise RuntimeError(
+                f"an S3 dataset opened through pyarrow's S3 client in process {self._arrow_pid} "
+                f"is used in process {os.getpid()}, forked from it: pyarrow's client cannot be "
+                "used across a fork (a request in flight at the fork would leave it hanging). "
+                "Open the dataset in the child (it then reads through s3fs), or start children "
+                "with the spawn method"
+            )
         return self._fs
 
     @fs.setter
@@ -95,9 +109,9 @@ class ArrowS3FileSystem(ArrowFSWrapper):
                 return f
         f = arrow_fs.open_input_file(path)
         with self._files_lock:
-            self._files[path] = f
-            while len(self._files) > OPEN_OBJECTS:
-                self._files.popitem(last=False)[1].close()
+            f = self._files.setdefault(path, f)
+            while len(self._files) > OPEN_OBJECTS:  # dropped, not closed: a reader may hold
+                self._files.popitem(last=False)  # it still (it closes when unreferenced)
         return f
 
     def cat_file(
@@ -149,13 +163,35 @@ def _read_range(f: Any, start: int | None, end: int | None) -> bytes:
 
 
 def _range_pool() -> ThreadPoolExecutor:
-    """The process's pool of range-request threads (a forked child makes its own)."""
-    global _pool, _pool_pid
+    """The process's pool of range-request threads."""
+    global _pool
     with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
+        if _pool is None:
             _pool = ThreadPoolExecutor(RANGE_THREADS, thread_name_prefix="packshard-s3-range")
-            _pool_pid = os.getpid()
         return _pool
+
+
+def _aws_config_feature() -> str | None:
+    """A setting of the AWS config files that botocore follows and pyarrow's client would not,
+    or would follow differently (an endpoint, an assumed role, SSO, a credential process)."""
+    env = os.environ
+    for var in ("AWS_PROFILE", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        if env.get(var):
+            return f"{var} is set"
+    home = os.path.expanduser("~")
+    for path in (
+        env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+        env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
+    ):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(1 << 20)
+        except OSError:
+            continue
+        for key in _CONFIG_FEATURES:
+            if re.search(rf"^\s*{key}\w*\s*=", text, re.MULTILINE):
+                return f"{path} sets {key}"
+    return None
 
 
 def arrow_s3_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], str | None] | str:
@@ -166,6 +202,9 @@ def arrow_s3_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], str | 
     extra += [f"client_kwargs.{k}" for k in sorted(set(client) - _CLIENT_KWARGS)]
     if extra:
         return f"storage options pyarrow's client does not take: {', '.join(extra)}"
+    anon = options.get("anon", False)
+    if not isinstance(anon, bool):
+        return f"anon={anon!r} is not true or false"
     env = os.environ
     endpoint = (
         options.get("endpoint_url")
@@ -173,39 +212,42 @@ def arrow_s3_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], str | 
         or env.get("AWS_ENDPOINT_URL_S3")
         or env.get("AWS_ENDPOINT_URL")
     )
-    region = (
-        options.get("region")
-        or client.get("region_name")
-        or env.get("AWS_REGION")
-        or env.get("AWS_DEFAULT_REGION")
-    )
-    anon = options.get("anon", False)
-    if not isinstance(anon, bool):
-        return f"anon={anon!r} is not true or false"
+    region = client.get("region_name")
     kw: dict[str, Any] = {}
+    aws = not endpoint
     if endpoint:
         parts = urllib.parse.urlsplit(str(endpoint))
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             return f"an endpoint pyarrow's client cannot take: {parts.scheme}://..."
-        if not region and (parts.hostname or "").endswith("amazonaws.com"):
-            return "an AWS endpoint without a region (s3fs finds the bucket's)"
+        aws = parts.hostname.endswith(".amazonaws.com")
         proxied = urllib.request.getproxies().get(parts.scheme)
-        if proxied and not urllib.request.proxy_bypass(parts.hostname or ""):
+        if proxied and not urllib.request.proxy_bypass(parts.hostname):
             return "a proxy is set in the environment"
-        kw.update(endpoint_override=parts.netloc + parts.path.rstrip("/"), scheme=parts.scheme)
-    elif not region:
-        return "neither an endpoint nor a region is known (s3fs finds a bucket's region)"
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        host += f":{parts.port}" if parts.port else ""  # no user info: it would show in errors
+        kw.update(endpoint_override=host + parts.path.rstrip("/"), scheme=parts.scheme)
     elif urllib.request.getproxies().get("https"):
         return "a proxy is set in the environment"
+    if aws and not region:  # pyarrow's client does not follow a bucket to its region
+        return "an AWS bucket without client_kwargs region_name (s3fs finds the bucket's region)"
+    region = region or env.get("AWS_DEFAULT_REGION")  # botocore's order
     if region:
         kw["region"] = str(region)
-    if anon:
+    explicit = bool(endpoint) and (anon or options.get("key") is not None)
+    feature = None if explicit else _aws_config_feature()
+    if feature is not None:
+        return f"an AWS setting pyarrow's client would not follow as botocore does ({feature})"
+    if anon:  # s3fs ignores credentials when anonymous
         kw["anonymous"] = True
+    else:
+        for ours, theirs in (("key", "access_key"), ("secret", "secret_key"), ("token", "session_token")):  # fmt: skip
+            if options.get(ours) is not None:
+                kw[theirs] = str(options[ours])
     if env.get("AWS_CA_BUNDLE"):  # botocore's certificate bundle setting; pyarrow takes it so
         kw["tls_ca_file_path"] = env["AWS_CA_BUNDLE"]
-    for ours, theirs in (("key", "access_key"), ("secret", "secret_key"), ("token", "session_token")):  # fmt: skip
-        if options.get(ours) is not None:
-            kw[theirs] = str(options[ours])
+    # botocore's patience: a store slow to answer is waited for (pyarrow's defaults give up
+    # after 3 s without a byte)
+    kw.update(connect_timeout=CONNECT_TIMEOUT_S, request_timeout=REQUEST_TIMEOUT_S)
     return kw, (str(endpoint) if endpoint else None)
 
 
@@ -213,7 +255,8 @@ def reading_fs(
     url: str, storage_options: Mapping[str, Any] | None
 ) -> tuple[fsspec.AbstractFileSystem, str] | None:
     """(pyarrow-backed filesystem, path) for reading an s3:// dataset, or None for the one
-    fsspec gives (any other URL, or options pyarrow's client cannot take: module docstring)."""
+    fsspec gives (any other URL, options pyarrow's client cannot take, or a process forked from
+    one that used pyarrow's S3 client: module docstring)."""
     protocol, _, rest = url.partition("://")
     choice = os.environ.get(CLIENT_ENV, "auto").strip().lower() or "auto"
     if protocol.lower() not in S3_PROTOCOLS or choice == "s3fs":
@@ -222,14 +265,17 @@ def reading_fs(
         raise ValueError(f"{CLIENT_ENV}={choice!r}: use auto, arrow or s3fs")
     translated = arrow_s3_options(dict(storage_options or {}))
     if isinstance(translated, str):
-        if choice == "arrow":
-            raise ValueError(f"{CLIENT_ENV}=arrow: {translated}")
-        return None
-    kw, endpoint = translated
-    try:
-        fs = ArrowS3FileSystem(kw, endpoint_url=endpoint)
-    except (ImportError, AttributeError) as e:  # a pyarrow built without S3
-        if choice == "arrow":
-            raise ValueError(f"{CLIENT_ENV}=arrow: pyarrow has no S3 support ({e})") from None
-        return None
-    return fs, rest.rstrip("/") or rest
+        why = translated
+    elif _arrow_pid not in (0, os.getpid()):
+        why = "this process was forked from one that used pyarrow's S3 client"
+    else:
+        kw, endpoint = translated
+        try:
+            return ArrowS3FileSystem(kw, endpoint_url=endpoint), rest.rstrip("/") or rest
+        except (ImportError, AttributeError) as e:  # a pyarrow built without S3
+            why = f"pyarrow has no S3 support ({e})"
+        except (ValueError, TypeError) as e:  # options its constructor refuses
+            why = f"pyarrow's client refuses the options ({e})"
+    if choice == "arrow":
+        raise ValueError(f"{CLIENT_ENV}=arrow: {why}")
+    return None
