@@ -153,16 +153,12 @@ def start_local_ray(num_cpus: int | None) -> None:
                 logging_level=logging.WARNING,
             )
             return
-        except BaseException as e:
-            if not isinstance(e, Exception):  # Ctrl-C while the node starts
-                _stop_new_processes(before)
-                raise
-            retry = e  # ray/_private/node.py raises exactly Exception for this case
+        except Exception as e:  # ray/_private/node.py raises exactly Exception for this case
             # Ray's driver gives the node 30 s to register; a loaded machine can miss that.
             # That is worth another try; anything else (another type or message) is re-raised.
             if (
-                type(retry) is not Exception
-                or "timed out during startup" not in str(retry)
+                type(e) is not Exception
+                or "timed out during startup" not in str(e)
                 or attempt == RAY_START_ATTEMPTS
             ):
                 raise
@@ -172,6 +168,9 @@ def start_local_ray(num_cpus: int | None) -> None:
                 RAY_START_ATTEMPTS,
             )
             ray.shutdown()
+        except BaseException:  # Ctrl-C while the node starts
+            _stop_new_processes(before)
+            raise
 
 
 def _descendants() -> set[int]:

@@ -258,7 +258,7 @@ def _count_json(
         layout, numbers = JSON_ARRAY, [k * STRIDE for k in range(len(starts))]
     else:
         parsed, lines = _parse_json_text(f, text, sample_fields)
-        if lines is None:  # one document: a record, or an object holding the records
+        if lines is None or f.compression is not None:  # one document, or no seeking
             return _replace(f, records=len(parsed))
         records, layout, numbers = len(parsed), JSON_LINES, lines[::STRIDE]
         starts = _line_starts(text, numbers)

@@ -164,27 +164,23 @@ def _key(source: TokenizerSource, template_kwargs: Mapping[str, Any]) -> str | N
     here = Path(__file__).resolve().parent
     for name in OWN_CODE:
         h.update((here / name).read_bytes())
-    try:
-        h.update(json.dumps(dict(template_kwargs), sort_keys=True).encode())
-    except TypeError:
-        return None  # a keyword argument JSON cannot hold: no stable key
+    # a keyword argument JSON cannot hold raises TypeError: no stable key (cache_key says so)
+    h.update(json.dumps(dict(template_kwargs), sort_keys=True).encode())
     if source.source == "hub":
         if not source.revision or not _COMMIT.fullmatch(source.revision):
             return None
         h.update(f"\0hub {source.spec} {source.revision}".encode())
-        if source.local_files_only:  # what the local cache holds of the commit is what loads
-            folder = _snapshot(source)
-            if folder is None or not _hash_directory(h, folder):
-                return None
+        if not source.local_files_only:
+            return h.hexdigest()
+        folder = _snapshot(source)  # what the local cache holds of the commit is what loads
+        if folder is None:
+            return None
     else:
         assert source.path is not None
-        try:
-            if not _hash_directory(h, Path(source.path)):
-                log.debug("tokenizer cache: %s holds too much to hash; not cached", source.path)
-                return None
-        except OSError as e:
-            log.debug("tokenizer cache: cannot read %s (%s); not cached", source.path, e)
-            return None
+        folder = Path(source.path)
+    if not _hash_directory(h, folder):  # an unreadable file raises: cache_key logs it
+        log.debug("tokenizer cache: %s holds too much to hash; not cached", folder)
+        return None
     return h.hexdigest()
 
 
