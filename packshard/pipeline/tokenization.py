@@ -236,7 +236,7 @@ class SampleEncoder:
 
 def _span_mask(enc: Any, spans: list[tuple[int, int]]) -> np.ndarray:
     """Loss mask over `enc`'s tokens: true for tokens that start inside a character span."""
-    mask = np.zeros(len(enc.ids), np.bool_)
+    mask = np.zeros(len(enc), np.bool_)  # len(enc.ids) would build the ids list again
     for start, end in spans:
         first = _first_token_from(enc, start, end)
         last = _last_token_before(enc, start, end)
@@ -254,7 +254,7 @@ def _first_token_from(enc: Any, start: int, end: int) -> int | None:
         return (
             t
             if enc.token_to_chars(t)[0] >= start
-            else (t + 1 if t + 1 < len(enc.ids) and enc.token_to_chars(t + 1)[0] < end else None)
+            else (t + 1 if t + 1 < len(enc) and enc.token_to_chars(t + 1)[0] < end else None)
         )
     return None
 
