@@ -30,7 +30,7 @@ import logging
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import fsspec
@@ -98,6 +98,13 @@ class InputFile:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> InputFile:
         return cls(**{**d, "checkpoints": tuple(tuple(c) for c in d.get("checkpoints", ()))})
+
+    def with_counts_of(self, counted: InputFile) -> InputFile:
+        """This file with everything counting found in `counted` (`readers.count_records`):
+        its records, seek points and a .json file's layout, which the reads rely on."""
+        return replace(
+            self, records=counted.records, checkpoints=counted.checkpoints, layout=counted.layout
+        )
 
 
 def _without_query(path: str) -> str:

@@ -394,7 +394,8 @@ def run(cfg: PackConfig) -> int:
 
 
 def resumed_files(files: list[InputFile], plan: dict[str, Any]) -> list[InputFile]:
-    """The listed files with the record counts and seek points of the unfinished job's plan.
+    """The listed files with the record counts, seek points and layouts of the unfinished job's
+    plan.
 
     The plan holds redacted URLs (no credentials are written), so the files to read are the
     ones listed now; `inspect_output` has checked that they are the plan's (URL, size, version).
@@ -404,10 +405,7 @@ def resumed_files(files: list[InputFile], plan: dict[str, Any]) -> list[InputFil
         raise OutputError(
             "the unfinished job's plan lists other input files than this run; rerun with --overwrite"
         )
-    return [
-        replace(f, records=p.records, checkpoints=p.checkpoints)
-        for f, p in zip(files, planned, strict=True)
-    ]
+    return [f.with_counts_of(p) for f, p in zip(files, planned, strict=True)]
 
 
 @dataclass

@@ -385,6 +385,32 @@ def test_a_resume_reads_the_files_listed_now_with_the_plans_counts():
         resumed_files([InputFile("http://h/b.jsonl", "jsonl")], plan)
 
 
+@pytest.mark.parametrize("layout", ["lines", "array"])
+def test_a_resumed_json_file_reads_its_records_as_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+):
+    """A .json file's seek points only make sense with its layout (JSON lines or one array):
+    a resume takes both from the plan and reads the records a fresh job reads."""
+    from packshard.pipeline import readers
+    from packshard.pipeline.inputs import resolve_inputs
+    from packshard.pipeline.pack import resumed_files
+
+    monkeypatch.setattr(readers, "STRIDE", 2)  # seek points inside a small file
+    records = [{"text": f"doc {i}"} for i in range(5)]
+    path = tmp_path / "docs.json"
+    if layout == "lines":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        path.write_text(json.dumps(records))
+    [counted] = [readers.count_records(f) for f in resolve_inputs([str(path)])]
+    assert counted.layout == layout and counted.checkpoints
+    fresh = list(readers.read_records(counted, 1, 5))
+    [resumed] = resumed_files(resolve_inputs([str(path)]), {"inputs": [counted.to_json()]})
+    assert resumed.layout == layout and resumed.records == 5
+    assert list(readers.read_records(resumed, 1, 5)) == fresh
+    assert [r for _, r in fresh] == records[1:]
+
+
 def test_every_file_of_a_glob_is_peeked(tmp_path: Path):
     """A file deep in a glob whose columns or first record do not fit fails before Ray starts,
     named; a glob of files without records is one error."""
