@@ -137,40 +137,45 @@ def start_ray(cfg: PackConfig) -> bool:
 
 
 def start_local_ray(num_cpus: int | None) -> None:
-    """A new local Ray (never an existing cluster found on this machine), robust to a busy box."""
+    """A new local Ray (never an existing cluster found on this machine), robust to a busy box.
+
+    Whatever stops the start (Ctrl-C, an error, a start that timed out before a retry) stops
+    the Ray processes it started (`_stop_new_processes`): Ray cannot reach a node whose start
+    failed before it held it, and its agents would run on for good."""
     import ray
 
     # The raylet waits for its Python agents' ports (15 s by default) and aborts if they are late,
     # which happens on a busy machine; give them two minutes (the user's setting wins).
     os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
-    for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        before = _descendants()
-        try:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-            )
-            return
-        except Exception as e:  # ray/_private/node.py raises exactly Exception for this case
-            # Ray's driver gives the node 30 s to register; a loaded machine can miss that.
-            # That is worth another try; anything else (another type or message) is re-raised.
-            if (
-                type(e) is not Exception
-                or "timed out during startup" not in str(e)
-                or attempt == RAY_START_ATTEMPTS
-            ):
-                raise
-            log.warning(
-                "local Ray did not start in time (attempt %d of %d); retrying",
-                attempt,
-                RAY_START_ATTEMPTS,
-            )
-            ray.shutdown()
-        except BaseException:  # Ctrl-C while the node starts
-            _stop_new_processes(before)
-            raise
+    before = _descendants()
+    try:
+        for attempt in range(1, RAY_START_ATTEMPTS + 1):
+            try:
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                )
+                return
+            except Exception as e:  # ray/_private/node.py raises exactly Exception for this case
+                # Ray's driver gives the node 30 s to register; a loaded machine can miss that.
+                # That is worth another try; anything else (another type or message) is raised.
+                if (
+                    type(e) is not Exception
+                    or "timed out during startup" not in str(e)
+                    or attempt == RAY_START_ATTEMPTS
+                ):
+                    raise
+                log.warning(
+                    "local Ray did not start in time (attempt %d of %d); retrying",
+                    attempt,
+                    RAY_START_ATTEMPTS,
+                )
+                _stop_new_processes(before)  # the late node's GCS, raylet and agents
+    except BaseException:
+        _stop_new_processes(before)
+        raise
 
 
 def _descendants() -> set[int]:
@@ -180,26 +185,50 @@ def _descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def _is_ray_process(p: Any) -> bool:
+    """Whether `p` runs Ray: its GCS and raylet binaries and its Python agents live under the
+    ray package, and its workers name themselves ``ray::...``."""
+    import psutil
+
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:
+        return False
+    return bool(cmd) and (
+        cmd[0].startswith("ray::") or any(f"{os.sep}ray{os.sep}" in arg for arg in cmd)
+    )
+
+
 def _stop_new_processes(before: set[int]) -> None:
-    """Stop what an interrupted `ray.init` started: Ray's own shutdown, then the processes that
-    became this process's descendants since `before` (the node's GCS, raylet and the raylet's
-    agents, which Ray cannot reach when the interrupt came before it held the node: its
-    dashboard and runtime-env agents were left running for good)."""
+    """Stop the Ray processes that became this process's descendants since `before`, and
+    theirs (the node's GCS, raylet and the raylet's agents and workers), after Ray's own
+    shutdown. They are listed first: the raylet's shutdown orphans its agents, which are then
+    no descendants to find. Other new descendants (a caller's own subprocesses, when the job
+    runs inside another program) are left alone."""
     import psutil
     import ray
 
-    with contextlib.suppress(Exception):
-        ray.shutdown()
-    procs = []
-    for p in psutil.Process().children(recursive=True):
-        if p.pid not in before:
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    ray_pids = {p.pid for p in new if _is_ray_process(p)}
+
+    def from_ray(p: Any) -> bool:
+        try:
+            return p.pid in ray_pids or any(a.pid in ray_pids for a in p.parents())
+        except psutil.Error:
+            return False
+
+    procs = [p for p in new if from_ray(p)]
+    try:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    finally:  # a Ctrl-C in Ray's shutdown still stops them
+        for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.terminate()
-                procs.append(p)
-    _, alive = psutil.wait_procs(procs, timeout=3)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
+        _, alive = psutil.wait_procs(procs, timeout=3)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ which tokenize tasks finish, and the manifest records the nodes that ran the tas
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -143,10 +144,22 @@ def test_truncation_that_leaves_no_loss_token_is_counted_not_fatal(
     assert "1 pieces (16 tokens) carry no loss token" in capsys.readouterr().out
 
 
-def test_a_ctrl_c_while_ray_starts_leaves_no_process_behind(monkeypatch: pytest.MonkeyPatch):
-    """A Ctrl-C inside `ray.init` came before Ray held its new node, so `ray.shutdown` could not
-    stop it: the raylet's dashboard and runtime-env agents ran on for good. Here the node is a
-    child process that starts one of its own (the raylet and an agent); both must be gone."""
+_TIMED_OUT = Exception("The current node timed out during startup. (a busy machine)")
+
+
+@pytest.mark.parametrize(
+    "failure",
+    ["ctrl_c", "error", "timeout_then_ctrl_c", "ctrl_c_in_retry_shutdown"],
+)
+def test_a_failed_ray_start_stops_the_ray_processes_it_started(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, failure: str
+):
+    """Ray cannot stop a node whose start failed before it held it (Ctrl-C inside `ray.init`, a
+    start error, a start that timed out before the retry): its raylet's dashboard and
+    runtime-env agents ran on for good. Here each attempt's node is a process run from a
+    ``ray/`` directory (as Ray's binaries and agents are) that starts one of its own (the
+    raylet's agent); every attempt's pair must be gone, while a subprocess of the caller's,
+    started during the same `ray.init`, must live on."""
     import subprocess
     import sys
     import time
@@ -154,32 +167,65 @@ def test_a_ctrl_c_while_ray_starts_leaves_no_process_behind(monkeypatch: pytest.
     import psutil  # after ray: Ray ships it
     import ray
 
-    node: list[int] = []
+    fake_ray = tmp_path / "ray" / "node.py"
+    fake_ray.parent.mkdir()
+    fake_ray.write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "time.sleep(120)\n"
+    )
+    nodes: list[int] = []
+    callers: list[subprocess.Popen] = []
+    attempts: list[int] = []
 
-    def interrupted_init(**_: Any) -> None:
-        child = subprocess.Popen(
-            [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
-             "'-c', 'import time; time.sleep(120)']); time.sleep(120)"]
-        )  # fmt: skip
+    def start_node() -> None:
+        child = subprocess.Popen([sys.executable, str(fake_ray)])
         deadline = time.monotonic() + 30
         while not psutil.Process(child.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
-        node.extend([child.pid, *(p.pid for p in psutil.Process(child.pid).children())])
+        nodes.extend([child.pid, *(p.pid for p in psutil.Process(child.pid).children())])
+
+    def failing_init(**_: Any) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:  # the caller's own subprocess, started meanwhile
+            callers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        start_node()
+        if failure == "error":
+            raise RuntimeError("the raylet died")
+        if failure != "ctrl_c" and len(attempts) == 1:
+            raise _TIMED_OUT
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ray, "init", interrupted_init)
-    monkeypatch.setattr(ray, "shutdown", lambda: None)  # the module's Ray, if up, stays
-    with pytest.raises(KeyboardInterrupt):
-        start_local_ray(num_cpus=1)
-    assert len(node) == 2
+    shutdowns: list[int] = []
 
-    def gone(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
+    def shutdown() -> None:  # the module's Ray, if up, stays
+        shutdowns.append(1)
+        if failure == "ctrl_c_in_retry_shutdown" and len(shutdowns) == 1:
+            raise KeyboardInterrupt
 
-    deadline = time.monotonic() + 10
-    while not all(gone(p) for p in node) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(gone(p) for p in node)
+    monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    try:
+        with pytest.raises(RuntimeError if failure == "error" else KeyboardInterrupt):
+            start_local_ray(num_cpus=1)
+        expected_attempts = 2 if failure == "timeout_then_ctrl_c" else 1
+        assert len(attempts) == expected_attempts and len(nodes) == 2 * expected_attempts
+
+        def gone(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        deadline = time.monotonic() + 10
+        while not all(gone(p) for p in nodes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(p) for p in nodes)
+        assert callers[0].poll() is None  # not Ray's: left alone
+    finally:
+        for c in callers:
+            c.kill()
+            c.wait()
+        for pid in nodes:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
