@@ -86,17 +86,32 @@ def topology_for(rank: int, world: int, *, tp: int = 1, cp: int = 1, sp: int = 1
 
 def parallel_sizes() -> tuple[int, int, int, str]:
     """(tp, cp, sp, cp_backend) of accelerate's ParallelismConfig when an Accelerator is set up,
-    else of the PARALLELISM_CONFIG_* variables `accelerate launch` sets, else (1, 1, 1, "")."""
+    else of the PARALLELISM_CONFIG_* variables `accelerate launch` sets, else (1, 1, 1, "").
+    DeepSpeed's AutoTP (``tensor_parallel.autotp_size`` in its config) counts as tp: accelerate
+    gives its consecutive ranks one batch, as it does for its own tp."""
     try:
         from accelerate.state import AcceleratorState, is_initialized
     except ImportError:  # accelerate absent (or too old for ParallelismConfig): no CP, stated
         return 1, 1, 1, ""
-    pc = AcceleratorState().parallelism_config if is_initialized() else None
+    state = AcceleratorState() if is_initialized() else None
+    autotp = _deepspeed_autotp_size(state)
+    pc = state.parallelism_config if state is not None else None
     if pc is not None:
-        return pc.tp_size, pc.cp_size, pc.sp_size, str(getattr(pc, "cp_backend", "torch"))
+        tp = autotp if autotp > 1 else pc.tp_size
+        return tp, pc.cp_size, pc.sp_size, str(getattr(pc, "cp_backend", "torch"))
     env = os.environ
     sizes = [int(env.get(f"PARALLELISM_CONFIG_{k}_SIZE", "1")) for k in ("TP", "CP", "SP")]
-    return sizes[0], sizes[1], sizes[2], env.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
+    tp = autotp if autotp > 1 else sizes[0]
+    return tp, sizes[1], sizes[2], env.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
+
+
+def _deepspeed_autotp_size(state: Any) -> int:
+    """The AutoTP size of the DeepSpeed config an Accelerator runs with, else 1."""
+    plugin = getattr(state, "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None)
+    tp = config.get("tensor_parallel") if isinstance(config, dict) else None
+    size = tp.get("autotp_size") if isinstance(tp, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
 
 
 WRAPPER_FRAMES = 10  # callers of __iter__ looked at for an accelerate wrapper

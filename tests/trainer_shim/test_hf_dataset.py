@@ -196,6 +196,36 @@ def test_the_callback_sees_tensor_parallelism_set_up_after_the_dataset(
     assert callback.meter is not None and callback.meter.dp_rank == 0
 
 
+@pytest.mark.parametrize("parallelism_config", [False, True])
+def test_deepspeed_autotp_ranks_share_a_dp_rank(
+    monkeypatch: pytest.MonkeyPatch, parallelism_config: bool
+):
+    """DeepSpeed's AutoTP is set in its own config (``tensor_parallel.autotp_size``), not in
+    accelerate's ParallelismConfig; accelerate gives its consecutive ranks one batch, so they
+    must read the same rows: they count as tp."""
+    import accelerate.state
+
+    from packshard.trainer_shim.hf_dataset import parallel_sizes, topology_for
+
+    plugin = SimpleNamespace(deepspeed_config={"tensor_parallel": {"autotp_size": 2}})
+    pc = SimpleNamespace(tp_size=1, cp_size=1, sp_size=1, cp_backend="torch")
+    state = SimpleNamespace(
+        deepspeed_plugin=plugin, parallelism_config=pc if parallelism_config else None
+    )
+    monkeypatch.setattr(accelerate.state, "is_initialized", lambda: True)
+    monkeypatch.setattr(accelerate.state, "AcceleratorState", lambda: state)
+    for k in ("TP", "CP", "SP"):
+        monkeypatch.delenv(f"PARALLELISM_CONFIG_{k}_SIZE", raising=False)
+    tp, cp, sp, _ = parallel_sizes()
+    assert (tp, cp, sp) == (2, 1, 1)
+    ranks = [topology_for(r, 4, tp=tp, cp=cp, sp=sp) for r in range(4)]
+    assert [(t.dp_rank, t.dp_size) for t in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    plugin.deepspeed_config = {"tensor_parallel": {"autotp_size": 1}, "train_batch_size": "auto"}
+    assert parallel_sizes()[0] == 1
+    state.deepspeed_plugin = None  # not DeepSpeed
+    assert parallel_sizes()[0] == 1
+
+
 def test_under_deepspeed_sp_a_step_trains_its_share_of_the_gathered_batches(
     monkeypatch: pytest.MonkeyPatch,
 ):
