@@ -134,7 +134,9 @@ def _join(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
 
 
-def _version(info: Mapping[str, Any]) -> str:
+def file_version(info: Mapping[str, Any]) -> str:
+    """A file's version from its fsspec info: its ETag (or hash) where the store has one,
+    else its modification time."""
     for key in (
         "ETag",
         "etag",
@@ -245,7 +247,7 @@ def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = Fa
         format=fmt[0],
         compression=fmt[1],
         size=int(info.get("size") or 0),
-        version=_version(info),
+        version=file_version(info),
     )
 
 

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from packshard.packers import url_to_fs
 from packshard.packers.writer import is_local
-from packshard.pipeline.inputs import InputError, InputFile, demo_params
+from packshard.pipeline.inputs import InputError, InputFile, demo_params, file_version
 from packshard.pipeline.samples import CANONICAL_FIELDS, BadRecord
 
 STRIDE = 1024
@@ -90,6 +90,11 @@ def _open(
         ) from None
     except PermissionError as e:
         raise InputError(f"{f.display}: permission denied ({e})") from None
+    try:
+        _check_unchanged(f, fs, path, raw)
+    except BaseException:
+        raw.close()
+        raise
     if f.compression == "gzip":
         return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
     if f.compression == "zstd":
@@ -97,6 +102,28 @@ def _open(
 
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
     return raw
+
+
+def _check_unchanged(f: InputFile, fs: Any, path: str, raw: Any = None) -> None:
+    """Refuse a file that changed since the job listed it: its record count and seek points
+    were taken from the bytes it had then, and a shifted record would be read as another.
+    Its size is compared (a remote file's from the opened file's details: no extra request),
+    and a local file's modification time too (which a same-size edit changes)."""
+    if not f.size:  # listed without a size (an empty file, or built by hand)
+        return
+    local = is_local(fs)
+    details = fs.info(path) if local else getattr(raw, "details", None)
+    if not isinstance(details, Mapping):
+        return
+    size = details.get("size")
+    if (isinstance(size, int) and size != f.size) or (
+        local and f.version and file_version(details) != f.version
+    ):
+        now = f"{size:,} bytes now" if isinstance(size, int) and size != f.size else "modified"
+        raise InputError(
+            f"{f.display}: changed since the job listed it ({f.size:,} bytes then, {now}); its "
+            "records were counted from the bytes it had then: rerun the job"
+        )
 
 
 def count_records(
@@ -559,10 +586,10 @@ def _table_pieces(
     fields: Sequence[str] | None,
 ) -> Iterator[tuple[int, pa.Table]]:
     fs, path = url_to_fs(f.url, storage_options)
-    local = is_local(fs)
-    with (
-        pa.memory_map(path) if local and f.format != "parquet" else _open(f, storage_options) as fh
-    ):
+    mapped = is_local(fs) and f.format != "parquet"
+    if mapped:
+        _check_unchanged(f, fs, path)
+    with pa.memory_map(path) if mapped else _open(f, storage_options) as fh:
         yield from _tables(f, fh, start, stop, fields)
 
 

@@ -203,7 +203,14 @@ def test_json_lines_in_a_json_file_are_read_line_by_line(tmp_path: Path, first: 
     assert [r for _, r in _all(str(p))] == [{"text": "a"}, {"text": "b"}]
 
 
-def test_a_json_file_that_changed_after_counting_is_named(tmp_path: Path):
+@pytest.fixture
+def no_listing_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the check of size and modification time at open (`_check_unchanged`; a store
+    whose open files carry no details cannot make it): the reads' own checks behind it."""
+    monkeypatch.setattr(readers, "_check_unchanged", lambda *a, **k: None)
+
+
+def test_a_json_file_that_changed_after_counting_is_named(tmp_path: Path, no_listing_check: None):
     p = tmp_path / "grows.json"
     p.write_text(json.dumps(RECORDS[:2]))
     (f,) = resolve_inputs([str(p)])
@@ -391,7 +398,7 @@ def test_corrupt_and_unreadable_files_are_named(tmp_path: Path):
         count_records(f)
 
 
-def test_a_file_that_shrinks_after_counting_is_reported(tmp_path: Path):
+def test_a_file_that_shrinks_after_counting_is_reported(tmp_path: Path, no_listing_check: None):
     p = tmp_path / "x.jsonl"
     p.write_bytes(_jsonl(RECORDS))
     (f,) = resolve_inputs([str(p)])
@@ -399,6 +406,42 @@ def test_a_file_that_shrinks_after_counting_is_reported(tmp_path: Path):
     p.write_bytes(_jsonl(RECORDS[:3]))
     with pytest.raises(InputError, match="the file changed"):
         list(read_records(f, 0, f.records))
+
+
+@pytest.mark.parametrize("edit", ["grown", "shifted", "same_size", "arrow"])
+def test_a_file_changed_since_it_was_listed_is_refused_at_open(tmp_path: Path, edit: str):
+    """Counts and seek points hold only for the bytes a file had when the job listed it: a
+    change of size, or of a local file's modification time (a same-size edit), is refused
+    when a block opens it, naming the file; a record shifted by an edit is never read as
+    another (a block's own checks cannot see a shift by whole records)."""
+    import os
+
+    if edit == "arrow":
+        p = tmp_path / "t.arrow"
+        with pa.ipc.new_file(p, pa.schema([("text", pa.string())])) as w:
+            w.write_table(pa.table({"text": ["a", "b", "c"]}))
+    elif edit == "shifted":
+        p = tmp_path / "a.json"
+        p.write_text(json.dumps([{"a": i} for i in range(1, 6)]).replace(" ", ""))
+    else:
+        p = tmp_path / "x.jsonl"
+        p.write_bytes(_jsonl(RECORDS))
+    (f,) = resolve_inputs([str(p)])
+    f = count_records(f)
+    before = p.stat()
+    if edit == "grown":
+        p.write_bytes(_jsonl(RECORDS) + _jsonl(RECORDS[:1]))
+    elif edit == "shifted":  # one record more in front: records 3-4 now hold 2-3
+        p.write_text('[{"a":0},' + p.read_text()[1:])
+    else:  # the same bytes, or as many of them: only the modification time tells
+        p.write_bytes(p.read_bytes())
+        os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    size = f"{before.st_size:,} bytes then"
+    with pytest.raises(InputError, match=f"{p}: changed since the job listed it \\({size}"):
+        list(read_records(f, 2, 3))
+    os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns))
+    if edit in ("same_size", "arrow"):  # its listing holds again
+        assert len(list(read_records(f, 0, f.records))) == f.records
 
 
 def test_a_bare_hub_name_goes_to_the_hub_and_fails_clearly_offline(monkeypatch: pytest.MonkeyPatch):
@@ -458,7 +501,9 @@ def _seek_point_files(tmp_path: Path) -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("name", ["array.json", "lines.json"])
-def test_a_json_block_parses_only_its_own_bytes(tmp_path: Path, name: str):
+def test_a_json_block_parses_only_its_own_bytes(
+    tmp_path: Path, name: str, no_listing_check: None
+):
     recs = _seek_point_files(tmp_path)[name]
     (f,) = resolve_inputs([str(tmp_path / name)])
     f = count_records(f)
@@ -483,7 +528,9 @@ def test_a_json_block_parses_only_its_own_bytes(tmp_path: Path, name: str):
             list(read_records(f, 0, 5))
 
 
-def test_a_json_array_that_changed_after_counting_is_refused(tmp_path: Path):
+def test_a_json_array_that_changed_after_counting_is_refused(
+    tmp_path: Path, no_listing_check: None
+):
     recs = _seek_point_files(tmp_path)["array.json"]
     (f,) = resolve_inputs([str(tmp_path / "array.json")])
     f = count_records(f)
