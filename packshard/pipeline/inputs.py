@@ -134,9 +134,7 @@ def _join(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
 
 
-def file_version(info: Mapping[str, Any]) -> str:
-    """A file's version from its fsspec info: its ETag (or hash) where the store has one,
-    else its modification time."""
+def _version(info: Mapping[str, Any]) -> str:
     for key in (
         "ETag",
         "etag",
@@ -247,7 +245,7 @@ def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = Fa
         format=fmt[0],
         compression=fmt[1],
         size=int(info.get("size") or 0),
-        version=file_version(info),
+        version=_version(info),
     )
 
 

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from packshard.packers import url_to_fs
 from packshard.packers.writer import is_local
-from packshard.pipeline.inputs import InputError, InputFile, demo_params, file_version
+from packshard.pipeline.inputs import InputError, InputFile, demo_params
 from packshard.pipeline.samples import CANONICAL_FIELDS, BadRecord
 
 STRIDE = 1024
@@ -105,24 +105,20 @@ def _open(
 
 
 def _check_unchanged(f: InputFile, fs: Any, path: str, raw: Any = None) -> None:
-    """Refuse a file that changed since the job listed it: its record count and seek points
-    were taken from the bytes it had then, and a shifted record would be read as another.
-    Its size is compared (a remote file's from the opened file's details: no extra request),
-    and a local file's modification time too (which a same-size edit changes)."""
+    """Refuse a file whose size changed since the job listed it: its record count and seek
+    points were taken from the bytes it had then, and records shifted by an edit would be read
+    as others. The size of a remote file comes from the opened file's details (no extra
+    request). Only the size: a task on another node reads that node's copy of a local path,
+    which holds the same bytes under another modification time (Ray's working_dir unpacks
+    without keeping it)."""
     if not f.size:  # listed without a size (an empty file, or built by hand)
         return
-    local = is_local(fs)
-    details = fs.info(path) if local else getattr(raw, "details", None)
-    if not isinstance(details, Mapping):
-        return
-    size = details.get("size")
-    if (isinstance(size, int) and size != f.size) or (
-        local and f.version and file_version(details) != f.version
-    ):
-        now = f"{size:,} bytes now" if isinstance(size, int) and size != f.size else "modified"
+    details = fs.info(path) if is_local(fs) else getattr(raw, "details", None)
+    size = details.get("size") if isinstance(details, Mapping) else None
+    if isinstance(size, int) and size != f.size:
         raise InputError(
-            f"{f.display}: changed since the job listed it ({f.size:,} bytes then, {now}); its "
-            "records were counted from the bytes it had then: rerun the job"
+            f"{f.display}: changed since the job listed it ({f.size:,} bytes then, {size:,} "
+            "now); its records were counted from the bytes it had then: rerun the job"
         )
 
 
