@@ -186,16 +186,20 @@ def _descendants() -> set[int]:
 
 
 def _is_ray_process(p: Any) -> bool:
-    """Whether `p` runs Ray: its GCS and raylet binaries and its Python agents live under the
-    ray package, and its workers name themselves ``ray::...``."""
+    """Whether `p` runs Ray: its GCS and raylet binaries and its Python agents are files of
+    the ray package, and its workers and agents name themselves ``ray::...``. (A path that
+    merely holds a ``ray`` directory, such as Ray images' ``/home/ray``, is not enough.)"""
     import psutil
+    import ray
 
+    package = os.path.dirname(os.path.abspath(ray.__file__))
+    roots = {package + os.sep, os.path.realpath(package) + os.sep}
     try:
         cmd = p.cmdline()
     except psutil.Error:
         return False
     return bool(cmd) and (
-        cmd[0].startswith("ray::") or any(f"{os.sep}ray{os.sep}" in arg for arg in cmd)
+        cmd[0].startswith("ray::") or any(arg.startswith(tuple(roots)) for arg in cmd)
     )
 
 

@@ -156,10 +156,11 @@ def test_a_failed_ray_start_stops_the_ray_processes_it_started(
 ):
     """Ray cannot stop a node whose start failed before it held it (Ctrl-C inside `ray.init`, a
     start error, a start that timed out before the retry): its raylet's dashboard and
-    runtime-env agents ran on for good. Here each attempt's node is a process run from a
-    ``ray/`` directory (as Ray's binaries and agents are) that starts one of its own (the
+    runtime-env agents ran on for good. Here each attempt's node is a process named
+    ``ray::...`` (as Ray's agents and workers name themselves) that starts one of its own (the
     raylet's agent); every attempt's pair must be gone, while a subprocess of the caller's,
-    started during the same `ray.init`, must live on."""
+    started during the same `ray.init` from a ``ray`` directory that is not Ray's package (Ray
+    images run from ``/home/ray``), must live on."""
     import subprocess
     import sys
     import time
@@ -167,19 +168,23 @@ def test_a_failed_ray_start_stops_the_ray_processes_it_started(
     import psutil  # after ray: Ray ships it
     import ray
 
-    fake_ray = tmp_path / "ray" / "node.py"
-    fake_ray.parent.mkdir()
-    fake_ray.write_text(
+    node_script = tmp_path / "node.py"
+    node_script.write_text(
         "import subprocess, sys, time\n"
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "subprocess.Popen([sys.argv[1], '-c', 'import time; time.sleep(120)'])\n"
         "time.sleep(120)\n"
     )
+    callers_script = tmp_path / "home" / "ray" / "app.py"
+    callers_script.parent.mkdir(parents=True)
+    callers_script.write_text("import time\ntime.sleep(120)\n")
     nodes: list[int] = []
     callers: list[subprocess.Popen] = []
     attempts: list[int] = []
 
     def start_node() -> None:
-        child = subprocess.Popen([sys.executable, str(fake_ray)])
+        child = subprocess.Popen(
+            ["ray::FakeNode", str(node_script), sys.executable], executable=sys.executable
+        )
         deadline = time.monotonic() + 30
         while not psutil.Process(child.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -188,7 +193,7 @@ def test_a_failed_ray_start_stops_the_ray_processes_it_started(
     def failing_init(**_: Any) -> None:
         attempts.append(1)
         if len(attempts) == 1:  # the caller's own subprocess, started meanwhile
-            callers.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+            callers.append(subprocess.Popen([sys.executable, str(callers_script)]))
         start_node()
         if failure == "error":
             raise RuntimeError("the raylet died")
