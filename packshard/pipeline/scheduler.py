@@ -132,6 +132,18 @@ def _get(ref: Any, what: str) -> Any:
         raise JobError(f"{what} failed after retries: {type(e).__name__}: {e}") from None
 
 
+def cancel_running(refs: list[Any]) -> None:
+    """Cancel the tasks of `refs` that have not finished. Ray 2.60's driver aborts ("Check
+    failed: it != submissible_tasks_.end() Tried to complete task that was not pending") when
+    a cancel races with a task's completion; a task already done is never cancelled, which
+    leaves only one finishing between this check and its cancel exposed."""
+    if not refs:
+        return
+    _, running = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+    for ref in running:
+        ray.cancel(ref, force=True)
+
+
 class StopFlag:
     """Set from a signal handler; checked by the driver loops."""
 
@@ -145,8 +157,7 @@ class StopFlag:
 
     def check(self, refs: list[Any]) -> None:
         if self.event.is_set():
-            for ref in refs:
-                ray.cancel(ref, force=True)
+            cancel_running(refs)
             raise Interrupted(self.signal_name)
 
 
@@ -194,16 +205,11 @@ class InputCounter:
         return self.files
 
     def cancel(self) -> None:
-        """Stop counting (the job ended early). Only counts still running are cancelled, and
-        warm-ups never: Ray 2.60's driver aborts ("Check failed: it !=
-        submissible_tasks_.end() Tried to complete task that was not pending") when a cancel
-        races with the task's completion, as a warm-up's (~0.1 s, early in every job) can at
-        the end of a job that fails within its first second. A warm-up left alone finishes on
-        its own; a count that finishes between the check and the cancel is still exposed."""
-        if self.pending:
-            _, running = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
-            for ref in running:
-                ray.cancel(ref, force=True)
+        """Stop counting (the job ended early): counts still running are cancelled
+        (`cancel_running`), warm-ups never. A warm-up (~0.1 s, early in every job) would
+        otherwise race its completion with the cancel at the end of a job that fails within
+        its first second; left alone, it finishes on its own."""
+        cancel_running(list(self.pending))
         self.pending.clear()
         self.todo.clear()
 
@@ -516,8 +522,7 @@ class Scheduler:
         return self.results
 
     def _abort(self) -> None:
-        for ref in list(self.pending_tok) + list(self.pending_pack):
-            ray.cancel(ref, force=True)
+        cancel_running(list(self.pending_tok) + list(self.pending_pack))
 
 
 def merge_counters(results: list[ShardResult]) -> dict[str, Any]:
