@@ -94,15 +94,15 @@ def parallel_sizes() -> tuple[int, int, int, str]:
     except ImportError:  # accelerate absent (or too old for ParallelismConfig): no CP, stated
         return 1, 1, 1, ""
     state = AcceleratorState() if is_initialized() else None
-    autotp = _deepspeed_autotp_size(state)
     pc = state.parallelism_config if state is not None else None
     if pc is not None:
-        tp = autotp if autotp > 1 else pc.tp_size
-        return tp, pc.cp_size, pc.sp_size, str(getattr(pc, "cp_backend", "torch"))
-    env = os.environ
-    sizes = [int(env.get(f"PARALLELISM_CONFIG_{k}_SIZE", "1")) for k in ("TP", "CP", "SP")]
-    tp = autotp if autotp > 1 else sizes[0]
-    return tp, sizes[1], sizes[2], env.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
+        tp, cp, sp, backend = pc.tp_size, pc.cp_size, pc.sp_size, getattr(pc, "cp_backend", "torch")
+    else:
+        env = os.environ
+        tp, cp, sp = (int(env.get(f"PARALLELISM_CONFIG_{k}_SIZE", "1")) for k in ("TP", "CP", "SP"))
+        backend = env.get("PARALLELISM_CONFIG_CP_BACKEND", "torch")
+    autotp = _deepspeed_autotp_size(state)
+    return (autotp if autotp > 1 else tp), cp, sp, str(backend)
 
 
 def _deepspeed_autotp_size(state: Any) -> int:
