@@ -78,6 +78,20 @@ def demo_records_cached(url: str) -> tuple[dict[str, Any], ...]:
 # ---- counting --------------------------------------------------------------------------
 
 
+class _GzipReader(gzip.GzipFile):
+    """A GzipFile that closes the file it decompresses: GzipFile leaves a `fileobj` it was
+    given open, which would keep a local file descriptor, or a remote file's connection, until
+    garbage collection."""
+
+    def close(self) -> None:
+        raw = self.fileobj
+        try:
+            super().close()
+        finally:
+            if raw is not None:
+                raw.close()
+
+
 def _open(
     f: InputFile, storage_options: Mapping[str, Any] | None, block_size: int | None = None
 ) -> BinaryIO:
@@ -96,7 +110,7 @@ def _open(
         raw.close()
         raise
     if f.compression == "gzip":
-        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
+        return _GzipReader(fileobj=raw)  # type: ignore[return-value]
     if f.compression == "zstd":
         import zstandard
 

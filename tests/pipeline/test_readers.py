@@ -89,6 +89,30 @@ def test_any_range_reads_the_same_records(files: Path, name: str, monkeypatch: p
         assert got == list(range(start, stop)), (start, stop)
 
 
+@pytest.mark.parametrize("name", ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.json", "j.txt"])
+def test_counting_and_reading_close_every_file_they_open(
+    files: Path, name: str, monkeypatch: pytest.MonkeyPatch
+):
+    """The raw file under a decompressor is closed with it (GzipFile alone leaves it open:
+    a file descriptor, or a remote file's connection, held until garbage collection)."""
+    opened: list = []
+    real = readers._open
+
+    def spy(*args, **kwargs):
+        fh = real(*args, **kwargs)
+        opened.append((fh, getattr(fh, "fileobj", None) or getattr(fh, "raw", None)))
+        return fh
+
+    monkeypatch.setattr(readers, "_open", spy)
+    (f,) = resolve_inputs([str(files / name)])
+    f = count_records(f)
+    assert len(list(read_records(f, 0, f.records))) == len(RECORDS)
+    assert opened
+    for fh, inner in opened:
+        assert fh.closed
+        assert inner is None or inner.closed, f"{name}: {inner!r} left open"
+
+
 def test_globs_expand_sorted_and_directories_recurse(files: Path):
     found = resolve_inputs([str(files / "*.jsonl*")])
     assert [Path(f.url).name for f in found] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst"]
