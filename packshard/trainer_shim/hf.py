@@ -111,7 +111,27 @@ def packed_collator(
     return batch
 
 
-def _rows_per_step(args: Any) -> int:
+def _inner_loader(dataloader: Any) -> Any:
+    """The loader that iterates the dataset (DeepSpeed's Ulysses SP adapter holds it as `.dl`)."""
+    for _ in range(3):
+        if dataloader is None or hasattr(dataloader, "dataset"):
+            break
+        dataloader = getattr(dataloader, "dl", None)
+    return dataloader
+
+
+def _rows_per_batch(args: Any, dataloader: Any) -> int:
+    """Rows of this rank's dataset in one of its micro-batches: the prepared loader's batch size,
+    which accelerate's ``split_batches=True`` divides by the processes
+    (``per_device_train_batch_size`` is then the batch of all of them); Trainer's argument
+    where no loader is at hand."""
+    size = getattr(_inner_loader(dataloader), "batch_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    return int(args.per_device_train_batch_size)
+
+
+def _rows_per_step(args: Any, dataloader: Any = None) -> int:
     """Rows of this rank's dataset one optimizer step trains: the micro-batches of a step,
     divided by sp under DeepSpeed's sequence parallelism, whose Ulysses adapter gathers one batch
     from every SP rank and trains them in turn (Trainer counts sp x the loader's batches)."""
@@ -123,7 +143,7 @@ def _rows_per_step(args: Any) -> int:
             "DeepSpeed's sequence parallelism trains the SP ranks' whole batches in turn, one a "
             "micro-step, so a step would end before every rank's batch trained; make it a multiple"
         )
-    return args.per_device_train_batch_size * accumulation // sp
+    return _rows_per_batch(args, dataloader) * accumulation // sp
 
 
 class StreamStateCallback(TrainerCallback):
@@ -169,10 +189,7 @@ class StreamStateCallback(TrainerCallback):
             from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
         except ImportError:
             return
-        for _ in range(3):  # DeepSpeed's Ulysses SP adapter holds the loader as `.dl`
-            if dataloader is None or hasattr(dataloader, "dataset"):
-                break
-            dataloader = getattr(dataloader, "dl", None)
+        dataloader = _inner_loader(dataloader)
         if isinstance(dataloader, DataLoaderDispatcher) and world > 1:
             raise ValueError(
                 "accelerate dispatches the batches of an IterableDataset from rank 0 and concatenates "
@@ -205,7 +222,7 @@ class StreamStateCallback(TrainerCallback):
         # with tp_size, TrainingArguments(parallelism_config=...)): the DP topology of now
         self.dataset._ensure_topology()
         self._unshard(train_dataloader, args.world_size)
-        self._per_step = _rows_per_step(args)
+        self._per_step = _rows_per_step(args, train_dataloader)
         step = state.global_step
         self._base_step, self._base_items, self._check = 0, self.dataset._start_items, None
         if step > 0:
@@ -233,7 +250,7 @@ class StreamStateCallback(TrainerCallback):
         if ds.rows_per_rank != self._per_step:
             log.warning(
                 "PackedShardDataset(rows_per_rank=%d), but Trainer trains %d rows a step per rank "
-                "(per_device_train_batch_size x gradient_accumulation_steps, / sp under DeepSpeed's "
+                "(its loader's batch x gradient_accumulation_steps, / sp under DeepSpeed's "
                 "sequence parallelism): set rows_per_rank=%d "
                 "so that each balanced planning step is one optimizer step (and the data's last "
                 "step is not filled with rows that carry no tokens)",

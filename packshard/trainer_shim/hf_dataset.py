@@ -121,7 +121,8 @@ class PackedShardDataset(IterableDataset):
     """This rank's packed rows of a packshard dataset, one `PackedRow` per item (module
     docstring). ``rows_per_rank`` rows per rank make one planning step (cost-balanced across
     DP ranks): set it to ``per_device_train_batch_size * gradient_accumulation_steps`` (``/ sp``
-    under DeepSpeed's sequence parallelism) so a planning step is an optimizer step. Other keyword arguments go to `PackedShardStream`
+    under DeepSpeed's sequence parallelism, ``/`` the processes under accelerate's
+    ``split_batches=True``) so a planning step is an optimizer step. Other keyword arguments go to `PackedShardStream`
     (seed, epochs, shuffle, balance, cache_dir, storage_options, prefetch, read_threads,
     seq_len, cost_model, verify, cache_limit_bytes, read_ahead_bytes, stall_timeout_s).
     Unsized: give Trainer ``max_steps`` (`micro_batches_per_epoch` helps)."""
