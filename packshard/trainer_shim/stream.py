@@ -70,6 +70,7 @@ STALL_WARN_S = 60.0  # seconds without a row before the consumer warns (then 120
 LOCAL_WINDOW_ROWS = 64  # rows a window of a local dataset reads by default (window_rows)
 REMOTE_WINDOW_ROWS = 8  # ... of a cached remote one (a window waits for the shards it touches)
 WHOLE_BATCHES_PER_WINDOW = 4  # remote batches read whole are kept up to this many windows' bytes
+CLOSE_WAIT_S = 10.0  # close() waits this long for the prefetch thread's read in flight
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,8 @@ class PackedShardStream:
         self._micro_step = 0
         self._generation = 0
         self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
         self.cache = (
             ShardCache(
                 self.dataset, cache_dir, fingerprint=self.fingerprint, limit_bytes=cache_limit_bytes
@@ -401,7 +404,7 @@ class PackedShardStream:
         self._generation += 1
         generation = self._generation
         stop = threading.Event()
-        self._stop = stop
+        self._stop, self._closed = stop, False
         progress = _Progress()
         # the queue holds windows of rows read (not built): two windows ahead of the consumer
         q: queue.Queue[Any] = queue.Queue(maxsize=2)
@@ -411,6 +414,7 @@ class PackedShardStream:
             name="packshard-prefetch",
             daemon=True,
         )
+        self._thread = thread
         thread.start()  # reading starts at iter(), before the first next()
         consumer = self._consume(q, stop, thread, generation, progress)
         # an iterator dropped before its first next() never runs its finally: stop the thread
@@ -571,6 +575,8 @@ class PackedShardStream:
             self._put(q, _Failed(e), stop)
         finally:
             reader.close()
+            if self._closed and stop.is_set():  # a read outlasted close()'s wait: it reopened
+                self.dataset.close()  # the shards it read
 
     def _read(
         self, reader: RowReader, pending: list[tuple[StepPlan, int, int]], progress: _Progress
@@ -631,8 +637,14 @@ class PackedShardStream:
         return cls(url, **topo.as_kwargs(), rows_per_step=rows_per_step, **kwargs)
 
     def close(self) -> None:
-        """Stop the prefetch thread and close open shard files."""
+        """Stop the prefetch thread and close open shard files. The thread's read in flight is
+        waited for (up to CLOSE_WAIT_S): it would open the shards it reads again; one that takes
+        longer closes them itself when it ends."""
+        self._closed = True
         self._stop_producer()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_WAIT_S)
         if self.cache is not None:
             self.cache.close()
         self.dataset.close()

@@ -418,6 +418,41 @@ def test_an_iterator_dropped_before_its_first_item_stops_its_thread(small_datase
     assert prefetchers() == before
 
 
+def test_close_leaves_no_shard_open_behind_a_read_in_flight(
+    small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """close() during a prefetch read: the read, once done, would open its shards again (file
+    descriptors and memory maps held until the stream is collected)."""
+    import threading
+    import time
+
+    from packshard.trainer_shim import stream as stream_mod
+
+    reads: list[int] = []
+    second = threading.Event()
+    real = stream_mod.RowReader.read
+
+    def slow_read(self, rows):
+        reads.append(len(rows))
+        if len(reads) == 2:
+            second.set()
+            time.sleep(0.3)  # close() arrives meanwhile
+        return real(self, rows)
+
+    monkeypatch.setattr(stream_mod.RowReader, "read", slow_read)
+    s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=2, prefetch=2)
+    it = iter(s)
+    next(it)
+    assert second.wait(5)
+    s.close()
+    deadline = time.monotonic() + 5
+    while any(t.name == "packshard-prefetch" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert not s.dataset._files, f"shards {sorted(s.dataset._files)} open after close()"
+    del it
+
+
 def test_iterating_a_finished_stream_warns(small_dataset: Path, caplog):
     s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4)
     assert len(list(s)) > 0
