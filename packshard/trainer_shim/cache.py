@@ -44,13 +44,34 @@ from pathlib import Path
 from fsspec.implementations.local import LocalFileSystem
 
 from packshard.packers import FormatError, ShardDataset
-from packshard.packers.format import new_hasher, reading, split_checksum
+from packshard.packers.format import (
+    StorageError,
+    describe_error,
+    new_hasher,
+    reading,
+    split_checksum,
+)
 
 log = logging.getLogger(__name__)
 
 PART = 32 << 20  # bytes per range request of a shard download
 PARTS_AT_ONCE = 4  # requested together
 WRITES_BEHIND = 2  # parts hashed and waiting for the disk (so at most 6 parts, 192 MiB, in memory)
+
+
+@contextmanager
+def _writing(root: Path, name: str) -> Iterator[None]:
+    """A local write of the cache that fails (a full disk, a quota, permissions) as one
+    StorageError naming the cache and the file; errors of the remote reads pass through."""
+    try:
+        yield
+    except FormatError:
+        raise
+    except OSError as e:
+        raise StorageError(
+            f"shard cache {root}: cannot write {name} ({describe_error(e)}); free space there, "
+            "lower cache_limit_bytes or give another cache_dir"
+        ) from e
 
 
 class ShardCache:
@@ -101,8 +122,12 @@ class ShardCache:
         tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex}.tmp")
         with reading(f"{self.remote.url}/{entry.path}"):
             data = self.remote.fs.cat_file(f"{self.remote.root}/{entry.path}")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)  # `_open_local` checks it against the manifest
+        try:
+            with _writing(self.root, entry.path):
+                tmp.write_bytes(data)
+                os.replace(tmp, target)  # `_open_local` checks it against the manifest
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _open_local(self) -> ShardDataset:
         """The cached copy as a dataset, its index.arrow checked against the manifest (bytes,
@@ -252,7 +277,7 @@ class ShardCache:
         inflight: deque[tuple[int, int, Future[bytes]]] = deque()
         writes: deque[Future[int]] = deque()
         try:
-            with open(tmp, "wb") as dst:
+            with _writing(self.root, entry.path), open(tmp, "wb") as dst:
                 try:
                     while parts or inflight:
                         while parts and len(inflight) < PARTS_AT_ONCE:
@@ -278,7 +303,8 @@ class ShardCache:
                     f"{where}: downloaded {size} bytes with checksum {digest}; the manifest says {entry.checksum}. "
                     f"The shard is corrupted: run `packshard verify {self.remote.url}` and re-pack."
                 )
-            os.replace(tmp, target)
+            with _writing(self.root, entry.path):
+                os.replace(tmp, target)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             writer.shutdown(wait=True, cancel_futures=True)

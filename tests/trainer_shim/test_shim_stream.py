@@ -453,6 +453,35 @@ def test_close_leaves_no_shard_open_behind_a_read_in_flight(
     del it
 
 
+def test_a_cache_dir_that_fills_up_is_one_storage_error_naming_it(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A full disk under cache_dir (ENOSPC on a shard's write) is named, the cache and the
+    shard, with the way out; no partial file stays."""
+    import errno
+    import io
+
+    from packshard.trainer_shim import cache as cache_mod
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    s = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, cache_dir=tmp_path / "c"
+    )  # index.arrow is in the cache by now
+    monkeypatch.setattr(cache_mod, "open", FullDisk, raising=False)
+    with pytest.raises(StorageError) as e:
+        list(s)
+    assert re.search(
+        r"shard cache .*/c/.*: cannot write shards/part-0000\d\.arrow \(.*No space left on device\);"
+        r" free space there, lower cache_limit_bytes or give another cache_dir",
+        str(e.value),
+    ), e.value
+    assert not list((tmp_path / "c").rglob("*.tmp"))
+    s.close()
+
+
 def test_iterating_a_finished_stream_warns(small_dataset: Path, caplog):
     s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4)
     assert len(list(s)) > 0
