@@ -276,6 +276,12 @@ class ShardDataset:
             self._check_row_checksums(shard, rows_arr, got)
         return {c: [row[LIST_COLUMNS.index(c)] for row in got] for c in columns}
 
+    @property
+    def has_row_checksums(self) -> bool:
+        """Whether index.arrow holds `row_checksum` (format v1's extension): without it a row
+        read in place cannot be checked, only a whole shard against the manifest."""
+        return self._row_checksums is not None
+
     @cached_property
     def _row_checksums(self) -> np.ndarray | None:
         cols = self._index[1]

@@ -204,7 +204,9 @@ class PackedShardStream:
     `read_threads` threads; from a remote dataset without `cache_dir`, a window holds
     `read_ahead_bytes` of rows (64 MiB) so that nearby rows share a request, and record batches
     read whole are kept for later windows up to 4 x `read_ahead_bytes` (256 MiB: the
-    dataset's `whole_batch_bytes`). `verify=False` skips the row checksums. Every problem with the dataset is a
+    dataset's `whole_batch_bytes`). Every row read is checked against index.arrow's
+    `row_checksum` (a dataset without that column is checked only by `cache_dir`'s whole-shard
+    downloads: the constructor warns); `verify=False` skips the checks. Every problem with the dataset is a
     `packers.FormatError` naming the file (`DatasetNotFoundError` without a dataset at `url`,
     `StorageError` when the store fails). A read that returns nothing for 60 s is logged (again
     at 120, 240, ... s); with `stall_timeout_s` the iterator raises `StorageError` naming the
@@ -273,6 +275,14 @@ class PackedShardStream:
             balance=balance,
         )
         self.fingerprint = dataset_fingerprint(self.dataset)
+        if self.config.verify and cache_dir is None and not self.dataset.has_row_checksums:
+            log.warning(
+                "PackedShardStream %s: index.arrow has no row_checksum column (another format-v1 "
+                "writer, or an older packshard), so rows read in place are not checked: run "
+                "`packshard verify %s` once, or give a cache_dir (whole shards are checked "
+                "against the manifest as they are copied)",
+                self.url, self.url,
+            )  # fmt: skip
         self.pad_token_id = int(self.dataset.config["pad_token_id"])
         self.pad_multiple = int(self.dataset.config["pad_multiple"])
         self._position = Position(0, 0, 0)

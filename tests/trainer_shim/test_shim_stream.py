@@ -131,6 +131,43 @@ def test_corrupted_shard_is_detected_by_row_checksums(copy_of):
         collect(stream)
 
 
+def drop_row_checksums(root: Path) -> None:
+    """index.arrow without `row_checksum` (the manifest's index entry updated to match)."""
+    import pyarrow as pa
+    import xxhash
+
+    table = pa.ipc.open_file(pa.memory_map(str(root / "index.arrow"))).read_all()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(
+        sink, table.schema.remove(table.schema.get_field_index("row_checksum"))
+    ) as w:
+        w.write_table(table.drop_columns(["row_checksum"]))
+    data = sink.getvalue().to_pybytes()
+    (root / "index.arrow").write_bytes(data)
+    m = json.loads((root / "manifest.json").read_text())
+    m["index"].update(bytes=len(data), checksum=f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}")
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+def test_an_index_without_row_checksums_is_said_to_leave_rows_unchecked(
+    copy_of, small_dataset: Path, tmp_path: Path, caplog
+):
+    root = copy_of()
+    drop_row_checksums(root)
+    with caplog.at_level("WARNING", logger="packshard.trainer_shim.stream"):
+        PackedShardStream(str(root), dp_rank=0, dp_size=1, rows_per_step=4).close()
+    assert "index.arrow has no row_checksum column" in caplog.text
+    assert f"run `packshard verify {root}` once, or give a cache_dir" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="packshard.trainer_shim.stream"):
+        PackedShardStream(  # whole shards checked against the manifest as they are copied
+            str(root), dp_rank=0, dp_size=1, rows_per_step=4, cache_dir=tmp_path / "c"
+        ).close()
+        PackedShardStream(str(root), dp_rank=0, dp_size=1, rows_per_step=4, verify=False).close()
+        PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4).close()
+    assert "row_checksum" not in caplog.text
+
+
 @pytest.mark.parametrize("part", [None, 4096])
 def test_corrupted_shard_is_refused_by_the_cache(copy_of, tmp_path: Path, monkeypatch, part):
     if part is not None:  # many parts: the download pipelines them (cache.PART)
