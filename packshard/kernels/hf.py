@@ -103,6 +103,7 @@ import torch
 from torch import nn
 
 from packshard.kernels import FIXED_CONFIG, IndexerConfig, fp8_indexer_topk
+from packshard.kernels.prepare import _next_pow2
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,16 @@ def _family_of(module: nn.Module) -> tuple[str, DsaFamily | None]:
     return "", None
 
 
+def _rope_of(module: nn.Module) -> Any:
+    """The RoPE function the module's transformers forward calls, from the modeling module of
+    the transformers class it is or derives from (a user's subclass, FSDP2's wrapper class:
+    their own modules do not hold it)."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("transformers.models.") and cls.__name__ in FAMILIES:
+            return getattr(sys.modules[cls.__module__], FAMILIES[cls.__name__].rope_function)
+    raise ValueError(f"{type(module).__name__} is not an indexer packshard routes")
+
+
 def document_ranges(position_ids: np.ndarray, past: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """ks, ke int64 [B, S] in key coordinates (past + t) from position ids restarting per document.
 
@@ -167,7 +178,8 @@ def document_ranges(position_ids: np.ndarray, past: int = 0) -> tuple[np.ndarray
         raise ValueError(
             f"position_ids[{r}, {t + 1}] = {pos[r, t + 1]} after {pos[r, t]}: packshard's indexer "
             "takes documents from position ids that restart at 0 at each document and rise by 1 "
-            "within it (left padding: give the first real token position 0)"
+            "within it (left padding: give the pad tokens position 0 as generate() does, and "
+            "the first real token 0; `cumsum - 1` with the pads filled with 1 does not)"
         )
     bad = np.argwhere((ks < 0) | (pos < 0))
     if bad.size:
@@ -314,6 +326,10 @@ class PackshardIndexer:
     _model: weakref.ref | None = field(default=None, repr=False)
     _hooks: tuple[Any, ...] = field(default=(), repr=False)  # around the model's forwards
     _depth: int = field(default=0, repr=False)  # routed forwards in progress
+    # `with` blocks: whether each open one routed the model (and so restores it on exit); the
+    # routing a use_packshard_indexer call made belongs to the next block entered, if any
+    _blocks: list[bool] = field(default_factory=list, repr=False)
+    _call_routed: bool = field(default=False, repr=False)
 
     def restore(self) -> None:
         """Put back each module's own forward (idempotent)."""
@@ -345,10 +361,8 @@ class PackshardIndexer:
         model = self._model() if self._model is not None else None
         if model is not None:
             _check_unused_slots(model, self.unused_slots)
-        for m in self.modules.values():
-            rope = getattr(
-                sys.modules[type(m).__module__], FAMILIES[_family_of(m)[0]].rope_function
-            )
+        ropes = [_rope_of(m) for m in self.modules.values()]  # all found before any is routed
+        for m, rope in zip(self.modules.values(), ropes, strict=True):
             m.forward = functools.partial(self.forward, m, rope)
             m._packshard_indexer = self
         if model is not None:
@@ -367,13 +381,21 @@ class PackshardIndexer:
             self._ranges = None  # lets the inference tensors' memory go
 
     def __enter__(self) -> PackshardIndexer:
-        """The handle; a restored handle routes its model again (one handle, many blocks)."""
+        """The handle; a restored handle routes its model again (one handle, many blocks). A
+        block restores on exit only the routing it owns: its own, or that of the
+        use_packshard_indexer call it was entered from. A block entered from a call that found
+        the model routed already (``with use_packshard_indexer(model):`` inside code that
+        routed it for the whole run) leaves that routing in place."""
+        owns = not self.active or self._call_routed
         if not self.active:
             self._route()
+        self._call_routed = False
+        self._blocks.append(owns)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.restore()
+        if self._blocks.pop() if self._blocks else True:
+            self.restore()
 
     def ranges(
         self,
@@ -541,7 +563,9 @@ def use_packshard_indexer(
 
     Calling it again on a routed model returns the same handle when the settings are the same
     and raises ValueError otherwise (`restore()` first). The handle is a context manager that
-    restores on exit; entering a restored handle routes the model again. `unused_slots=
+    restores on exit the routing it made (``with use_packshard_indexer(model):`` in code whose
+    caller routed the model already leaves it routed); entering a restored handle routes the
+    model again. `unused_slots=
     "minus_one"` is refused for the eager and SDPA attentions, which scatter the indices into a
     mask (the check runs again whenever the handle routes).
     """
@@ -564,8 +588,16 @@ def use_packshard_indexer(
                 f"unused_slots={existing.unused_slots!r}, hadamard={existing.hadamard}; "
                 "call .restore() on its handle first"
             )
+        existing._call_routed = False  # a block entered from this call leaves the routing
         return existing
     modules = find_indexers(model)
+    for name, m in modules.items():
+        heads = int(m.n_heads)
+        if _next_pow2(heads) > config.logits.block_n:
+            raise ValueError(
+                f"{name} has index_n_heads={heads}; the kernel takes up to "
+                f"{config.logits.block_n} heads (LogitsConfig.block_n, heads padded to a power of two)"
+            )
     if hadamard:
         for name, m in modules.items():
             if not _power_of_two(int(m.head_dim)):
@@ -576,6 +608,7 @@ def use_packshard_indexer(
     handle = PackshardIndexer(modules, config, unused_slots, hadamard)
     handle._model = weakref.ref(model)
     handle._route()
+    handle._call_routed = True
     return handle
 
 

@@ -26,7 +26,12 @@ transformers = pytest.importorskip("transformers")
 
 from benchmarks import bench_hf_indexer as bench  # noqa: E402
 from packshard.kernels import FIXED_CONFIG  # noqa: E402
-from packshard.kernels.hf import document_ranges, hadamard_matrix, use_packshard_indexer  # noqa: E402
+from packshard.kernels.hf import (  # noqa: E402
+    document_ranges,
+    find_indexers,
+    hadamard_matrix,
+    use_packshard_indexer,
+)
 from tests.kernels._cases import SMALL  # noqa: E402
 
 # on a GPU machine the same tests run the compiled kernels (fixed config) on CUDA tensors
@@ -162,6 +167,59 @@ def test_routes_restores_and_is_idempotent() -> None:
     with use_packshard_indexer(model, config=CONFIG) as again:
         assert again is not handle and again.active
     assert not again.active
+
+
+def test_a_with_block_restores_only_the_routing_it_made() -> None:
+    """`with use_packshard_indexer(model):` inside code that routed the model for the whole run
+    (an eval helper) leaves that routing; the blocks that routed restore on exit."""
+    model = tiny_model("glm_moe_dsa")
+    indexer = first_indexer(model)
+    outer = use_packshard_indexer(model, config=CONFIG)  # for the whole run, no block
+    with use_packshard_indexer(model, config=CONFIG) as inner:
+        assert inner is outer and outer.active
+    assert outer.active and "forward" in indexer.__dict__
+    with outer:  # a block on the handle whose call's routing a block already left: leaves it
+        pass
+    assert outer.active
+    outer.restore()
+    with use_packshard_indexer(model, config=CONFIG) as h:  # the block owns the call's routing
+        with use_packshard_indexer(model, config=CONFIG) as nested:
+            assert nested is h
+        assert h.active
+        with h:  # routed already, by an enclosing block
+            pass
+        assert h.active
+    assert not h.active and "forward" not in indexer.__dict__
+    with h:  # a restored handle routes again, and restores
+        assert h.active
+    assert not h.active
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_an_indexer_of_a_subclass_is_routed_as_its_transformers_class(family: str) -> None:
+    """A user's subclass (or FSDP2's wrapper class) lives in another module than the RoPE
+    function its transformers forward calls; with two layers none may stay half-routed."""
+    ids = torch.randint(0, 64, (1, 12), device=DEVICE)
+    plain = tiny_model(family, layers=2)
+    with use_packshard_indexer(plain, config=CONFIG):
+        want = plain(ids).logits
+    model = tiny_model(family, layers=2)
+    for m in find_indexers(model).values():
+        m.__class__ = type(f"My{type(m).__name__}", (type(m),), {"__module__": __name__})
+    with use_packshard_indexer(model, config=CONFIG) as handle:
+        got = model(ids).logits
+        assert handle.calls == len(handle.modules)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_more_heads_than_the_kernel_takes_are_refused_when_routing() -> None:
+    model = tiny_model("deepseek_v32")
+    first_indexer(model).n_heads = 129  # padded to 256 heads, the kernel's block holds 128
+    with pytest.raises(
+        ValueError, match=r"indexer has index_n_heads=129; the kernel takes up to 128"
+    ):
+        use_packshard_indexer(model, config=CONFIG)
+    assert "forward" not in first_indexer(model).__dict__
 
 
 def test_refuses_models_without_a_routable_indexer() -> None:
@@ -362,6 +420,12 @@ def test_left_padding_and_bad_position_ids_raise() -> None:
     with use_packshard_indexer(model, config=CONFIG):
         with pytest.raises(ValueError, match="left padding"):
             model(ids, attention_mask=mask, use_cache=False)
+        pos = mask.cumsum(-1) - 1
+        pos.masked_fill_(mask == 0, 1)  # a common idiom: the pads at position 1
+        with pytest.raises(ValueError, match=r"give the pad tokens position 0 as generate\(\)"):
+            model(ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        pos.masked_fill_(mask == 0, 0)  # what generate() gives them
+        model(ids, attention_mask=mask, position_ids=pos, use_cache=False)
         with pytest.raises(ValueError, match=r"position_ids\[0, 4\] = 7 after 3"):
             model(ids[:1], position_ids=torch.tensor([[0, 1, 2, 3, 7, 8, 9, 10]], device=DEVICE))
 
