@@ -113,6 +113,25 @@ def test_counting_and_reading_close_every_file_they_open(
         assert inner is None or inner.closed, f"{name}: {inner!r} left open"
 
 
+def test_zstd_frames_are_all_read_and_a_cut_frame_is_an_error(tmp_path: Path):
+    """A .zst of several frames (pzstd, concatenated files) is read whole; one that ends inside
+    a frame is an unreadable input, never the records before the cut alone."""
+    c = zstandard.ZstdCompressor()
+    half = len(RECORDS) // 2
+    frames = c.compress(_jsonl(RECORDS[:half])) + c.compress(_jsonl(RECORDS[half:]))
+    (tmp_path / "whole.jsonl.zst").write_bytes(frames)
+    assert [r["text"] for _, r in _all(str(tmp_path / "whole.jsonl.zst"))] == [
+        r["text"] for r in RECORDS
+    ]
+    for cut in (len(frames) - 6, len(frames) // 2 + 3, 9):
+        (tmp_path / f"cut{cut}.jsonl.zst").write_bytes(frames[:cut])
+        (f,) = resolve_inputs([str(tmp_path / f"cut{cut}.jsonl.zst")])
+        with pytest.raises(
+            InputError, match=r"cut\d+\.jsonl\.zst: unreadable .*ends inside a frame"
+        ):
+            count_records(f)
+
+
 def test_globs_expand_sorted_and_directories_recurse(files: Path):
     found = resolve_inputs([str(files / "*.jsonl*")])
     assert [Path(f.url).name for f in found] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst"]
