@@ -84,7 +84,7 @@ class _GzipReader(gzip.GzipFile):
     garbage collection."""
 
     def close(self) -> None:
-        raw = self.fileobj
+        raw: Any = self.fileobj
         try:
             super().close()
         finally:
