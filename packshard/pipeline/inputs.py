@@ -288,9 +288,7 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
     found = sorted(fs.find(path))
     shown = {p: posixpath.relpath(p, path) for p in found}
-    readable = [
-        p for p in found if _format_of(p) and not posixpath.basename(p).startswith((".", "_"))
-    ]
+    readable = [p for p in found if _format_of(p) and not _hidden(shown[p])]
     splits = {p: split_in_name(shown[p]) for p in readable}
     present = sorted({s for s in splits.values() if s is not None})
     # a split layout only when every data file names its split (the hub's layout): a file of
@@ -340,6 +338,13 @@ def split_in_name(rel: str) -> str | None:
 _SHARD_SUFFIX = re.compile(r"([-_]\d+)*(-of-\d+)?$")
 
 
+def _hidden(rel: str) -> bool:
+    """Whether a path inside a directory is hidden: a name on it starts with "." or "_" (the
+    file's, or a directory's: .ipynb_checkpoints/, Spark's _temporary/), as pyarrow's dataset
+    discovery has it."""
+    return any(part.startswith((".", "_")) for part in rel.split("/"))
+
+
 def _read_and_warn(
     fs: fsspec.AbstractFileSystem,
     spec: str,
@@ -350,12 +355,12 @@ def _read_and_warn(
     left_out: Mapping[str, str] | None = None,
 ) -> list[InputFile]:
     """The `paths` of a directory or glob that the job reads, in order. The others (a type it
-    cannot read, such as .csv or .bz2; in a directory, names starting with "." or "_"; files of
-    another split, `left_out`) are named in one warning, by their `shown` names: nothing is
+    cannot read, such as .csv or .bz2; in a directory, hidden ones, `_hidden`; files of another
+    split, `left_out`) are named in one warning, by their `shown` names: nothing is
     left out unsaid."""
     read, ignored = [], []
     for p in paths:
-        if skip_hidden and posixpath.basename(p).startswith((".", "_")):
+        if skip_hidden and _hidden(shown[p]):
             ignored.append(f"{shown[p]} (hidden)")
         elif not _format_of(p):
             ignored.append(f"{shown[p]} (not a type packshard reads)")

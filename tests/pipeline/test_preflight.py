@@ -232,6 +232,24 @@ def test_what_a_directory_or_glob_leaves_out_and_twice_listed_files_are_named(
     )
 
 
+def test_files_inside_a_directorys_hidden_directories_are_left_out_and_named(
+    tmp_path: Path, caplog
+):
+    """Notebook checkpoints and Spark's partial outputs are copies or leftovers: packing them
+    would pack their records a second time."""
+    d = tmp_path / "in"
+    for name in ("a.jsonl", ".ipynb_checkpoints/a-checkpoint.jsonl", "_temporary/0/part-0.jsonl"):
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(json.dumps(CHAT) + "\n")
+    caplog.set_level("WARNING")
+    checked = preflight(config_from_args(args(d, tmp_path / "out")))
+    assert [Path(f.url).name for f in checked.files] == ["a.jsonl"]
+    assert (
+        f"input {d}: ignored 2 of its 3 files: .ipynb_checkpoints/a-checkpoint.jsonl (hidden), "
+        "_temporary/0/part-0.jsonl (hidden)" in caplog.text
+    )
+
+
 def test_parquet_without_sample_columns_names_the_columns_it_has(tmp_path: Path):
     path = tmp_path / "qa.parquet"
     pq.write_table(pa.table({"question": ["a"], "answer": ["b"]}), path)
