@@ -298,7 +298,9 @@ def _parse_json_text(
         if (
             len(lists) == 1
             and not set(doc) & set(sample_fields)  # a sample ({"messages": [...]}) is one record
-            and all(isinstance(r, dict) for r in lists[0])
+            # its records: a stray non-object among them is that record's error (not_an_object),
+            # not a reason to read the whole file as one record
+            and (not lists[0] or any(isinstance(r, dict) for r in lists[0]))
         ):
             return lists[0], None
         return [doc], None

@@ -206,6 +206,11 @@ def test_a_json_file_holding_one_chat_is_one_record(tmp_path: Path):
     # an object holding one list of records under another name is a container of them
     (tmp_path / "data.json").write_text(json.dumps({"data": [chat, chat]}))
     assert [r for _, r in _all(str(tmp_path / "data.json"))] == [chat, chat]
+    # ... and a stray non-object among them is that record's error, the others are records
+    (tmp_path / "stray.json").write_text(json.dumps({"version": 1, "data": [chat, 5, chat]}))
+    got = _all(str(tmp_path / "stray.json"))
+    assert [r for _, r in got[::2]] == [chat, chat]
+    assert got[1][1] == 5 and got[1][0].endswith("stray.json:record 2")  # not_an_object later
     # a sample with one list of objects beside its fields is a sample, not a container
     cited = {"prompt": "Q?", "completion": "A.", "citations": [{"url": "u1"}, {"url": "u2"}]}
     (tmp_path / "cited.json").write_text(json.dumps(cited))
