@@ -32,6 +32,7 @@ from packshard.pipeline.samples import KINDS, KNOWN_ROLES, Kind, parse_columns
 from packshard.pipeline.tokenizer_loading import DEMO_TOKENIZER
 
 DEMO_INPUT = "demo://"
+INT32_MAX = 2**31 - 1
 # chunks each row is split into, per cp rank (trainer_shim's cp_layout)
 CP_LAYOUTS: dict[str, int] = {"contiguous": 1, "zigzag": 2}
 
@@ -84,6 +85,8 @@ class PackConfig:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(flag, value, "a positive integer")
+            if value > INT32_MAX:  # shards hold lengths and token ids as int32
+                raise bad(flag, value, f"at most {INT32_MAX:,} (format v1 stores int32)")
         if self.cp_layout not in CP_LAYOUTS:
             raise bad("--cp-layout", self.cp_layout, f"one of {list(CP_LAYOUTS)}")
         need = CP_LAYOUTS[self.cp_layout] * self.cp
@@ -99,8 +102,8 @@ class PackConfig:
                 "padded to a multiple of pad_multiple and never exceed seq_len, so seq_len must be one "
                 f"(e.g. --seq-len {self.seq_len - self.seq_len % self.pad_multiple or self.pad_multiple})"
             )
-        if self.pad_token_id is not None and self.pad_token_id < 0:
-            raise bad("--pad-token-id", self.pad_token_id, "a token id >= 0")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id <= INT32_MAX:
+            raise bad("--pad-token-id", self.pad_token_id, f"a token id in [0, {INT32_MAX:,}]")
         if self.algorithm not in ALGORITHMS:
             raise bad("--algorithm", self.algorithm, f"one of {sorted(ALGORITHMS)}")
         if self.overlong not in OVERLONG_POLICIES:

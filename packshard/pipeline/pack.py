@@ -309,6 +309,12 @@ def prepare_tokenizer(cfg: PackConfig, source: TokenizerSource | None) -> Driver
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else tok_pad
     if pad_id is None:
         raise TokenizerError(NO_PAD_TOKEN)
+    vocab = encoder.vocab_size
+    if vocab and not 0 <= pad_id < vocab:  # as token ids of pre-tokenized samples are checked
+        raise TokenizerError(
+            f"--pad-token-id {pad_id} is outside the tokenizer's vocabulary [0, {vocab:,}): the "
+            "rows' padding would be a token the model has no embedding for"
+        )
     return DriverTokenizer(
         encoder, source.manifest_entry(encoder.payload.fingerprint), pad_id, cached is not None
     )

@@ -53,6 +53,13 @@ def test_defaults_and_demo():
         (["--cp", "0"], "--cp=0 is not valid"),
         (["--loss-roles", "wizard"], "--loss-roles"),
         (["--window", "0"], "--window=0"),
+        # shards store lengths and ids as int32: refused here, not as a numpy error after Ray
+        (
+            ["--pad-token-id", "3000000000"],
+            r"--pad-token-id=3000000000 is not valid: a token id in \[0, 2,147,483,647\]",
+        ),
+        (["--pad-token-id", "-1"], "--pad-token-id=-1 is not valid"),
+        (["--seq-len", str(2**32)], r"--seq-len=4294967296 is not valid: at most 2,147,483,647"),
     ],
 )
 def test_bad_values_name_the_flag(extra, match):

@@ -205,6 +205,8 @@ def test_a_hit_still_checks_the_loss_roles_and_the_pad_token(
     with pytest.raises(TokenizerError, match="--loss-roles tool: the chat template renders none"):
         prepare(tok_dir, "--loss-roles", "tool")
     assert prepare(tok_dir, "--pad-token-id", "7").pad_token_id == 7
+    with pytest.raises(TokenizerError, match=r"--pad-token-id 99999999 is outside the tokenizer's"):
+        prepare(tok_dir, "--pad-token-id", "99999999")
 
 
 def test_an_unusable_or_disabled_cache_never_fails_the_job(
