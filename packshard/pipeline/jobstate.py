@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -82,12 +83,23 @@ def _our_name(name: str) -> bool:
     return name in OUR_NAMES or name.startswith(PROBE_PREFIX) or name in TMP_NAMES
 
 
+_SHARD_FILE = re.compile(r"part-\d{5,}\.arrow(\.tmp)?")  # a shard, or one being written
+
+
 def foreign_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
-    """Names under OUT that no pack job writes (sorted); empty when OUT does not exist."""
+    """Names under OUT that no pack job writes (sorted), those inside OUT/shards/ included;
+    empty when OUT does not exist."""
     if not fs.exists(root) or not fs.isdir(root):
         return []
     names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
-    return sorted(n for n in names if n and not _our_name(n))
+    foreign = sorted(n for n in names if n and not _our_name(n))
+    shards = f"{root}/{SHARDS_DIR}"
+    if SHARDS_DIR in names and fs.isdir(shards):
+        inside = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(shards, detail=False)}
+        foreign += sorted(f"{SHARDS_DIR}/{n}" for n in inside if n and not _SHARD_FILE.fullmatch(n))
+    elif SHARDS_DIR in names:
+        foreign.append(SHARDS_DIR)  # a file of that name
+    return foreign
 
 
 def check_reachable(fs: fsspec.AbstractFileSystem, url: str) -> None:

@@ -183,6 +183,22 @@ def test_foreign_shards_are_refused(tmp_path: Path):
     assert not list((Path(root) / "shards").iterdir())
 
 
+def test_others_files_inside_shards_are_refused_whatever_the_flags(tmp_path: Path):
+    """--overwrite deletes only shards (part-NNNNN.arrow): another file in OUT/shards/ would end
+    up inside the dataset."""
+    fs, root = _fs(tmp_path)
+    (Path(root) / "shards").mkdir(parents=True)
+    (Path(root) / "shards" / "part-00000.arrow").write_bytes(b"x")
+    (Path(root) / "shards" / "part-00001.arrow.tmp").write_bytes(b"x")  # a write in flight
+    check_output(fs, root, root)  # shards only: inspect_output asks for --overwrite
+    (Path(root) / "shards" / "mydata.csv").write_text("precious")
+    with pytest.raises(
+        OutputError, match=r"is not empty and holds no packshard dataset \(shards/mydata.csv\)"
+    ):
+        check_output(fs, root, root)
+    assert (Path(root) / "shards" / "mydata.csv").read_text() == "precious"
+
+
 def test_unwritable_output_is_refused_before_any_work(tmp_path: Path):
     blocker = tmp_path / "a-file"
     blocker.write_text(
