@@ -13,16 +13,30 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from packshard._extras import MissingExtraError
-from packshard.packers import FormatError, ShardDataset
-from packshard.packers.urls import add_redacting_filter
-from packshard.pipeline.inputs import redact_text, redact_url
-from packshard.pipeline.options import ArgumentParser, add_storage_option_flag, parse_key_values
+# The modules below (pyarrow, numpy, ...) are imported in `main`, inside its Ctrl-C handling:
+# the console script imports this module before it calls `main`, so a Ctrl-C during a
+# module-level import would print a traceback.
+if TYPE_CHECKING:
+    from packshard.packers import ShardDataset
+
+
+def redact_text(text: str) -> str:
+    from packshard.pipeline.inputs import redact_text
+
+    return redact_text(text)
+
+
+def redact_url(url: str) -> str:
+    from packshard.pipeline.inputs import redact_url
+
+    return redact_url(url)
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    from packshard.pipeline.options import parse_key_values
+
     try:
         return parse_key_values(args.storage_option)
     except ValueError as e:
@@ -33,6 +47,8 @@ def _open(args: argparse.Namespace) -> ShardDataset:
     """The dataset at args.url. Without one, the reader's DatasetNotFoundError says what is
     there (nothing, an empty directory, an unfinished pack job, other files); a failing store
     is its StorageError."""
+    from packshard.packers import ShardDataset
+
     return ShardDataset.open(args.url, storage_options=_storage_options(args))
 
 
@@ -98,6 +114,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from packshard.pipeline.options import ArgumentParser, add_storage_option_flag
+
     parser = ArgumentParser(prog="packshard", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
@@ -125,15 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "pack":
-        try:
-            from packshard.pipeline.pack import main as pack_main
-        except MissingExtraError as e:  # the core install: stats and verify only
-            print(f"packshard pack: error: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:  # Ctrl-C while transformers and Ray import (~1-2 s)
-            print("packshard pack: interrupted before anything started", file=sys.stderr)
-            return 130
+    command = argv[0] if argv and not argv[0].startswith("-") else ""
+    try:
+        from packshard._extras import MissingExtraError
+        from packshard.packers import FormatError
+        from packshard.packers.urls import add_redacting_filter
+
+        if command == "pack":
+            try:
+                from packshard.pipeline.pack import main as pack_main
+            except MissingExtraError as e:  # the core install: stats and verify only
+                print(f"packshard pack: error: {e}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:  # Ctrl-C while the libraries import (transformers, Ray: ~1-2 s)
+        print(
+            f"packshard{' ' + command if command else ''}: interrupted before anything started",
+            file=sys.stderr,
+        )
+        return 130
+    if command == "pack":
         return pack_main(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # libraries' lines may quote the URL too

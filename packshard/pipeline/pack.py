@@ -350,7 +350,24 @@ def _cluster_is_up() -> bool:
 
 
 def run(cfg: PackConfig) -> int:
-    """Run the job for a validated config (raises the errors `main` reports).
+    """Run the job for a validated config (raises the errors `main` reports); a Ctrl-C once
+    the dataset is committed (Ray's shutdown, the summary) says the dataset is complete."""
+    committed: list[bool] = []
+    try:
+        return _run(cfg, committed)
+    except KeyboardInterrupt:
+        if not committed:
+            raise
+        print(
+            f"packshard pack: interrupted; {redact_url(cfg.output)} holds the whole dataset "
+            "(it was committed before): `packshard stats` describes it",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _run(cfg: PackConfig, committed: list[bool]) -> int:
+    """`run`, appending to `committed` once the output holds the whole dataset.
 
     Every check that needs no Ray runs first (`preflight`), so a user error never waits for
     Ray. On a running cluster (``ray job submit``, or a caller's ``ray.init``) the driver then
@@ -389,6 +406,7 @@ def run(cfg: PackConfig) -> int:
         )
         state = inspect_output(fs, root, cfg.output, config, overwrite=cfg.overwrite)
         if state.status == "complete":
+            committed.append(True)
             print(
                 f"packshard pack: {redact_url(cfg.output)} already holds this dataset (same inputs and config); nothing to do"
             )
@@ -410,6 +428,7 @@ def run(cfg: PackConfig) -> int:
             elif counter is None:
                 counter = _start_counting(cfg, files)
             job = _pack(cfg, fs, root, files, counter, tokenizer, config, state, stop, phase, t0)
+            committed.append(True)
     finally:
         if counter is not None:
             counter.cancel()  # no-op once counted; stops counting when the job ends early

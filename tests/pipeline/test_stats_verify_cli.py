@@ -337,3 +337,41 @@ def test_usage_errors_quote_no_credentials(capsys):
     err = capsys.readouterr().err
     assert stats_exit.value.code == pack_exit.value.code == 2
     assert "SECRET" not in err and err.count("unrecognized arguments: gs://bucket/x") == 2
+
+
+def test_a_ctrl_c_while_the_cli_starts_is_one_line(monkeypatch, capsys):
+    """The console script imports the CLI module before calling main: the module imports only
+    the standard library, so a Ctrl-C meets main's handler, not a traceback."""
+    code = "import sys, packshard.pipeline.cli; print(sorted({'numpy', 'pyarrow', 'ray'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+    class Interrupted(type(sys)):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "packshard.pipeline.pack", Interrupted("pack"))
+    assert main(["pack", "--demo", "--output", "x"]) == 130
+    assert capsys.readouterr().err == "packshard pack: interrupted before anything started\n"
+
+
+def test_a_ctrl_c_after_the_commit_says_the_dataset_is_whole(monkeypatch, tmp_path, capsys):
+    from packshard.pipeline import pack
+    from packshard.pipeline.config import config_from_args
+
+    cfg = config_from_args(["--demo", "--output", str(tmp_path / "out")])
+
+    def interrupted(cfg, committed):  # Ray's shutdown or the summary, after the commit
+        committed.append(True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack, "_run", interrupted)
+    assert pack.run(cfg) == 130
+    assert "holds the whole dataset (it was committed before)" in capsys.readouterr().err
+
+    def early(cfg, committed):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack, "_run", early)
+    with pytest.raises(KeyboardInterrupt):  # main prints "whatever was written is kept"
+        pack.run(cfg)
