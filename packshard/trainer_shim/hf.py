@@ -239,7 +239,9 @@ class StreamStateCallback(TrainerCallback):
         self._trained = self._base_items + (step - self._base_step) * self._per_step
         self._check_sizes(state.max_steps)
         if self.meter is None:
-            self.meter = TrainedTokenMeter(dp_rank=self.dataset.topology.dp_rank)
+            self.meter = TrainedTokenMeter(
+                dp_rank=self.dataset.topology.dp_rank, cost_model=self.dataset.stream.cost_model
+            )  # the rank imbalance it logs weighs rows as the planning did
         self.meter.start()
 
     def _check_sizes(self, max_steps: int) -> None:

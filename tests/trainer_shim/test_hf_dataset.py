@@ -196,6 +196,20 @@ def test_the_callback_sees_tensor_parallelism_set_up_after_the_dataset(
     assert callback.meter is not None and callback.meter.dp_rank == 0
 
 
+def test_the_callbacks_meter_weighs_rows_with_the_datasets_cost_model(small_dataset: Path):
+    from packshard.packers import CostModel
+
+    cost = CostModel(token_weight=1.0, attn_weight=0.5)
+    ds = PackedShardDataset(str(small_dataset), rows_per_rank=2, cost_model=cost)
+    callback = StreamStateCallback(ds)
+    args = SimpleNamespace(
+        n_gpu=1, dataloader_num_workers=0, world_size=1, per_device_train_batch_size=1,
+        gradient_accumulation_steps=2, ignore_data_skip=False,
+    )  # fmt: skip
+    callback.on_train_begin(args, SimpleNamespace(global_step=0, max_steps=2), None)
+    assert callback.meter is not None and callback.meter.cost_model is cost
+
+
 @pytest.mark.parametrize("parallelism_config", [False, True])
 def test_deepspeed_autotp_ranks_share_a_dp_rank(
     monkeypatch: pytest.MonkeyPatch, parallelism_config: bool
