@@ -540,11 +540,16 @@ class ChatMasker:
             # The generation prompt may write text that earlier turns do not have in the full
             # chat (Qwen3 with enable_thinking=false: an empty <think> block): the turn starts
             # where the prompt and the chat part, provided the earlier messages are intact.
+            # The two may share more than the header: a turn starting "<tool_call>" or "<b>"
+            # shares the "<" of the prompt's "<think>". The turn starts at the last line end or
+            # special token of the shared part, never inside a word of the text.
             prior = self.render(msgs[:k], tools)
             common = _common_prefix_len(head, full)
             if full.startswith(prior) and common >= len(prior):
-                _check_not_inside_block(head, full, len(prior), common, k)
-                return common
+                start = _last_boundary(head, len(prior), common, self.profile.guard)
+                if start > len(prior):
+                    _check_not_inside_block(head, full, len(prior), start, k)
+                    return start
         raise BadRecord(
             "template_not_prefix_stable",
             f"the chat template renders messages[:{k}] differently from the start of the full chat, so the loss of messages[{k}] cannot be located",
@@ -613,6 +618,16 @@ def _check_not_inside_block(head: str, full: str, turn: int, common: int, k: int
                 f"({head[turn:]!r} with these template kwargs): the turn does not follow the prompt "
                 "the model gets (reasoning content with thinking disabled?)",
             )
+
+
+def _last_boundary(text: str, lo: int, hi: int, tokens: Sequence[str]) -> int:
+    """The last place in text[lo:hi] just after a newline or one of `tokens` (lo if none)."""
+    best = text.rfind("\n", lo, hi) + 1
+    for t in tokens:
+        at = text.rfind(t, lo, hi) if t else -1
+        if at >= 0:
+            best = max(best, at + len(t))
+    return max(best, lo)
 
 
 def _common_prefix_len(a: str, b: str) -> int:

@@ -208,6 +208,16 @@ def test_qwen3_think_block_of_the_last_turn_is_trained_and_earlier_turns_have_no
     assert isinstance(got, BadRecord) and got.reason == "content_inside_generation_prompt"
     text, spans = enc.loss_spans(reasoning)  # thinking on: the whole block is the turn's
     assert [text[s:e] for s, e in spans] == ["<think>\nx\n</think>\n\nd<|im_end|>"]
+    # an earlier turn whose text starts like the prompt's "<think>" ("<tool_call>", "<b>")
+    # starts at its own first character, not one past the "<" the two share
+    for first in ("<b>Yes</b>", "<tool_call>\n{}\n</tool_call>", "<think"):
+        tagged = Chat(
+            [chat.messages[0], {"role": "assistant", "content": first}, *chat.messages[2:]]
+        )
+        text, spans = no_think.loss_spans(tagged)
+        assert [text[s:e] for s, e in spans] == [f"{first}<|im_end|>", "d<|im_end|>"]
+        (got,) = no_think.encode([tagged])
+        assert tok.decode(got.ids[got.mask]).startswith(first)
 
 
 # ---- the built-in tokenizer (no shared data needed) ---------------------------------------
