@@ -387,8 +387,9 @@ class ChatMasker:
     next header, and must hold the message's text content. Then the turns are found in F
     itself: 1 render per chat instead of 1 + 2 per trained turn (the benchmark's 9.2K chats:
     ~2.3 renders a chat, ~0.3 s of a worker's ~5.5 s). Anything else takes the prefix renders.
-    The first `CANARY` one-render chats of each masker are also masked by prefix renders; a
-    difference turns the one-render path off for good (with a warning).
+    The first `CANARY` one-render chats of each masker are also masked by prefix renders; spans
+    that differ turn the one-render path off for good (with a warning). A chat the prefix
+    renders refuse keeps its one-render spans.
     """
 
     CANARY = 16
@@ -465,7 +466,11 @@ class ChatMasker:
             try:
                 slow = self._prefix_spans(full, msgs, tools, chat.loss_from)
             except BadRecord:
-                slow = None
+                # Prefix renders refuse chats the full render has no doubt about (Qwen3: two
+                # assistant turns in a row, or reasoning a later user turn drops): not a sign
+                # against the header spans, and a refusal here would make the chat's fate
+                # depend on how many chats its worker had seen.
+                slow = fast
             if slow != fast:
                 log.warning(
                     "locating assistant turns by their header differs from prefix renders on a chat; "

@@ -220,6 +220,29 @@ def test_qwen3_think_block_of_the_last_turn_is_trained_and_earlier_turns_have_no
         assert tok.decode(got.ids[got.mask]).startswith(first)
 
 
+def test_a_chats_mask_does_not_depend_on_the_chats_its_worker_saw_before(shared_data: Path):
+    """The first chats of a worker are checked against prefix renders too (the canary); one
+    that prefix renders refuse but the full render locates (Qwen3: two assistant turns in a
+    row) is kept alike by a fresh worker and by one past its canary."""
+    tok = load_tokenizer(str(shared_data / "tokenizers" / "qwen3"))
+    chat = Chat(
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+            {"role": "assistant", "content": "b"},
+        ]
+    )
+    fresh = SampleEncoder(tok)
+    (first,) = fresh.encode([chat])
+    seasoned = SampleEncoder(tok)
+    plain = Chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+    seasoned.encode([plain] * 20)
+    (later,) = seasoned.encode([chat])
+    assert not isinstance(first, BadRecord) and not isinstance(later, BadRecord)
+    assert np.array_equal(first.ids, later.ids) and np.array_equal(first.mask, later.mask)
+    assert tok.decode(first.ids[first.mask]) == "a<|im_end|><think>\n\n</think>\n\nb<|im_end|>"
+
+
 # ---- the built-in tokenizer (no shared data needed) ---------------------------------------
 
 
