@@ -402,6 +402,27 @@ class ChatMasker:
         self.loss_roles = loss_roles
         self.one_render = profile.header is not None and loss_roles == frozenset({"assistant"})
         self.checked = 0
+        if self.one_render:
+            self.one_render = self._paths_agree_on_a_probe()
+
+    def _paths_agree_on_a_probe(self) -> bool:
+        """Whether prefix renders locate a plain two-turn chat's assistant turns where the
+        header does: a template they refuse (one whose text depends on later messages) takes
+        the prefix renders for every chat, which then refuse its chats alike, whatever their
+        order. Decided per template, so every worker decides the same."""
+        p = [_PROBE.format(i) for i in range(4)]
+        roles = ("user", "assistant", "user", "assistant")
+        msgs = ChatRenderer.prepare(
+            [{"role": r, "content": c} for r, c in zip(roles, p, strict=True)]
+        )
+        try:
+            full = self.render(msgs)
+            fast = self._one_render_spans(full, msgs, None, 0)
+            # no header spans for this chat (Qwen3 without thinking: only the last turn
+            # has the prompt's empty block): no evidence either way
+            return fast is None or fast == self._prefix_spans(full, msgs, None, 0)
+        except BadRecord:
+            return False
 
     def render(self, messages: list[dict[str, Any]], tools: Any = None, gen: bool = False) -> str:
         """Render prepared messages; a template error makes the record bad."""
