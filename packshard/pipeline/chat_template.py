@@ -543,11 +543,13 @@ class ChatMasker:
             role = msgs[k]["role"]
             if role not in self.loss_roles:
                 continue
-            content = msgs[k].get("content")
-            if prof.terminator and isinstance(content, str) and prof.terminator in content:
+            # anywhere in the message (content, a tool call's arguments, reasoning): the turn
+            # would end at it, and the rest of it would train nothing
+            where = _where_mentioned(msgs[k], prof.terminator) if prof.terminator else None
+            if where is not None:
                 raise BadRecord(
                     "special_token_in_content",
-                    f"messages[{k}].content contains the turn terminator {prof.terminator!r} as text",
+                    f"messages[{k}].{where} contains the turn terminator {prof.terminator!r} as text",
                 )
             start = self._turn_start(full, msgs, tools, k, role == "assistant")
             upto = full if k == len(msgs) - 1 else self.render(msgs[: k + 1], tools)
@@ -625,6 +627,24 @@ def _mentions(value: Any, needles: tuple[str, ...]) -> bool:
     if isinstance(value, list | tuple):
         return any(_mentions(v, needles) for v in value)
     return False
+
+
+def _where_mentioned(value: Any, needle: str, path: str = "") -> str | None:
+    """The first field path inside `value` whose string contains `needle` ("content",
+    "tool_calls[0].function.arguments.cmd"), or None."""
+    if isinstance(value, str):
+        return path if needle in value else None
+    if isinstance(value, dict):
+        items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for sub, v in items:
+        found = _where_mentioned(v, needle, sub)
+        if found is not None:
+            return found
+    return None
 
 
 _OPEN_TAG = re.compile(r"<([A-Za-z_][\w-]*)>")

@@ -320,6 +320,30 @@ def test_unusable_samples_are_reported(demo: SampleEncoder, sample, reason):
     assert isinstance(got, BadRecord) and got.reason == reason
 
 
+def test_a_terminator_anywhere_in_a_trained_message_is_reported(shared_data: Path):
+    """In a tool call's arguments or the reasoning as in the content: the turn would end at
+    it, and the rest of the turn, its real terminator too, would train nothing."""
+    enc = SampleEncoder(load_tokenizer(str(shared_data / "tokenizers" / "qwen2.5-instruct")))
+    call = {
+        "type": "function",
+        "function": {"name": "run", "arguments": {"cmd": "echo '<|im_end|>'"}},
+    }
+    chat = Chat(
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "ok"},
+            {"role": "assistant", "content": "done"},
+        ]
+    )
+    (got,) = enc.encode([chat])
+    assert isinstance(got, BadRecord) and got.reason == "special_token_in_content"
+    assert got.detail == (
+        "messages[1].tool_calls[0].function.arguments.cmd contains the turn terminator "
+        "'<|im_end|>' as text"
+    )
+
+
 def test_templates_that_are_not_prefix_stable_fail_loudly():
     import copy
 
