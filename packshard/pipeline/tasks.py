@@ -63,7 +63,7 @@ from packshard.pipeline.samples import (
     source_fields,
     to_sample,
 )
-from packshard.pipeline.tokenization import Encoded, SampleEncoder, TokenizerPayload
+from packshard.pipeline.tokenization import Encoded, SampleEncoder, TokenizerPayload, checked_ids
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +192,18 @@ def _encode_without_tokenizer(sample: Any) -> Encoded | BadRecord:
     if isinstance(sample, BadRecord):
         return sample
     if isinstance(sample, Tokens):
+        try:  # stored as int32, and ids are embedding rows: [0, 2^31)
+            ids = checked_ids(sample.input_ids, 2**31, "int32's")
+        except BadRecord as e:
+            return e
         mask = (
-            np.ones(len(sample.input_ids), np.bool_)
+            np.ones(ids.size, np.bool_)
             if sample.loss_mask is None
             else np.asarray(sample.loss_mask, np.bool_)
         )
         if not mask.any():
             return BadRecord("no_loss_tokens", "the sample has no loss tokens")
-        return Encoded(np.asarray(sample.input_ids, np.int32), mask)
+        return Encoded(ids, mask)
     return BadRecord("no_tokenizer", f"a {type(sample).__name__} sample needs --tokenizer")
 
 
@@ -259,8 +263,8 @@ def columnar_block(
     name = {f: spec.columns.get(f, f) for f in ("input_ids", "loss_mask", *_CHAT_FIELDS)}
     chat = [name[f] for f in _CHAT_FIELDS] if spec.kind == "auto" else []
     fields = [name["input_ids"], name["loss_mask"], *chat]
-    # with a tokenizer ids must be in its vocabulary, without one they become int32
-    bounds = (0, vocab_size) if vocab_size is not None else (-(2**31), 2**31)
+    # with a tokenizer ids must be in its vocabulary, without one in int32's non-negative range
+    bounds = (0, vocab_size) if vocab_size is not None else (0, 2**31)
     pieces = []
     for _, table in read_tables(
         file, start, stop, storage_options=spec.storage_options, fields=fields

@@ -156,19 +156,13 @@ class SampleEncoder:
         raise TypeError(f"cannot prepare {type(sample).__name__}")
 
     def _check_ids(self, sample: Tokens) -> Encoded:
-        ids = np.asarray(sample.input_ids, dtype=np.int64)
-        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
-        if bad.size:
-            raise BadRecord(
-                "token_out_of_range",
-                f"input_ids[{int(bad[0])}] = {int(ids[bad[0]])} is outside the tokenizer's [0, {self.vocab_size})",
-            )
+        ids = checked_ids(sample.input_ids, self.vocab_size, "the tokenizer's")
         mask = (
             np.ones(ids.size, np.bool_)
             if sample.loss_mask is None
             else np.asarray(sample.loss_mask, np.bool_)
         )
-        return Encoded(ids.astype(np.int32), mask)
+        return Encoded(ids, mask)
 
     def _encode_batch(
         self, texts: list[str], add_special_tokens: bool, *, offsets: bool = True
@@ -232,6 +226,25 @@ class SampleEncoder:
                 r = BadRecord("no_loss_tokens", "the sample has no loss tokens")
             result.append(r)
         return result
+
+
+def checked_ids(values: Sequence[int], upper: int, whose: str) -> np.ndarray:
+    """Pre-tokenized ids as int32, each in [0, upper) (`whose` range: "the tokenizer's"), or
+    BadRecord token_out_of_range naming the first that is not (also one past int64)."""
+    try:
+        ids = np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        i, v = next((i, v) for i, v in enumerate(values) if not -(2**63) <= v < 2**63)
+        raise BadRecord(
+            "token_out_of_range", f"input_ids[{i}] = {v} is outside {whose} [0, {upper})"
+        ) from None
+    bad = np.flatnonzero((ids < 0) | (ids >= upper))
+    if bad.size:
+        raise BadRecord(
+            "token_out_of_range",
+            f"input_ids[{int(bad[0])}] = {int(ids[bad[0]])} is outside {whose} [0, {upper})",
+        )
+    return ids.astype(np.int32)
 
 
 def _span_mask(enc: Any, spans: list[tuple[int, int]]) -> np.ndarray:

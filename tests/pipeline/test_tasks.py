@@ -159,6 +159,24 @@ def test_no_tokenizer_accepts_pretokenized_only(tmp_path: Path):
     assert meta.examples[0][2] == "no_tokenizer"
 
 
+def test_no_tokenizer_refuses_ids_no_embedding_row_or_int32_holds(tmp_path: Path):
+    """Without a tokenizer the ids go to int32 shards: one past int32 (or int64) is a bad
+    record naming it, as a negative id is, never an OverflowError that fails the job."""
+    p = tmp_path / "ids.jsonl"
+    rows = [[1, 2, 3], [1, 2**31], [-1, 2], [7, 2**70]]
+    p.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    (f,) = resolve_inputs([str(p)])
+    f = count_records(f)
+    spec = _spec(tmp_path / "out", tokenizer=None, tokenizer_fingerprint=None, pad_token_id=0)
+    meta, block = tokenize_block(spec, f, 0, 4, 0)
+    assert block.tokens.tolist() == [1, 2, 3]
+    assert [(e[2], e[3]) for e in meta.examples] == [
+        ("token_out_of_range", "input_ids[1] = 2147483648 is outside int32's [0, 2147483648)"),
+        ("token_out_of_range", "input_ids[0] = -1 is outside int32's [0, 2147483648)"),
+        ("token_out_of_range", f"input_ids[1] = {2**70} is outside int32's [0, 2147483648)"),
+    ]
+
+
 # ---- pre-tokenized tables: read column-wise when clean, per record otherwise ---------------
 
 PRETOKENIZED = [
