@@ -10,7 +10,11 @@ the loader hands over) with `packshard.trainer_shim.titan.PackedShardDataLoader`
 text loader: each rank of the "batch" mesh (dp_replicate x dp_shard) reads only its rows,
 cost-balanced across ranks per step; CP ranks get the same rows and torchtitan splits them
 (pack with ``--pad-multiple 2*cp``); the loader's state goes into torchtitan's DCP checkpoints.
-Pack with ``--seq-len`` at most ``training.seq_len`` (the loader checks).
+Pack with ``--seq-len`` at most ``training.seq_len`` (the loader checks). The debug model has
+a vocabulary of 2,048 tokens: for a dataset packed with a real tokenizer, set the model's
+``vocab_size`` to at least the tokenizer's (ids past it fail in the embedding lookup).
+The loader's planning step is torchtitan's batch (``rows_per_rank`` left at its default, which
+follows ``--training.local_batch_size``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ def llama3_debugmodel_packshard() -> Trainer.Config:
     config = llama3_debugmodel_varlen_attn()
     config.dataloader = PackedShardDataLoader.Config(
         dataset_path=os.environ.get("PACKSHARD_DATA", ""),
-        rows_per_rank=config.training.local_batch_size,
         cache_dir=os.environ.get("PACKSHARD_CACHE"),
     )
     config.validator.enable = False  # torchtitan's validator reads its own text datasets

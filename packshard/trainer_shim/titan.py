@@ -31,6 +31,7 @@ Tested against torchtitan 0.3.0 itself (tests/trainer_shim/test_titan.py): its
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 from collections.abc import Iterator
@@ -46,6 +47,8 @@ from packshard.trainer_shim.topology import Topology, rank_world
 
 require("torchtitan", "torchtitan", "packshard.trainer_shim.titan")
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 STATE_KEY = "packshard_stream"
 
@@ -125,8 +128,11 @@ class PackedShardDataLoader(BaseDataLoader):
     class Config(BaseDataLoader.Config):
         rows_per_rank: int | None = None
         """Rows per DP rank per planning step (default: local_batch_size); the step's rows are
-        cost-balanced across DP ranks. local_batch_size x gradient accumulation balances whole
-        optimizer steps."""
+        cost-balanced across DP ranks. A multiple of the loader's batch, and at most the rows
+        one optimizer step takes per DP rank (local_batch_size x gradient accumulation): the
+        epoch's last planning step is short and ends in filler rows, so a larger one can hand
+        torchtitan a step of fillers only, with no loss token (a NaN loss). local_batch_size x
+        gradient accumulation balances whole optimizer steps."""
         seed: int = 0
         shuffle: bool = True
         epochs: int | None = None
@@ -165,6 +171,19 @@ class PackedShardDataLoader(BaseDataLoader):
             if config.rows_per_rank is None
             else _positive_int("PackedShardDataLoader.Config: rows_per_rank", config.rows_per_rank)
         )
+        if rows % local_batch_size:
+            raise ValueError(
+                f"PackedShardDataLoader.Config: rows_per_rank={rows} is not a multiple of the "
+                f"loader's batch of {local_batch_size} rows (a planning step is whole batches)"
+            )
+        if rows > local_batch_size:
+            log.warning(
+                "PackedShardDataLoader: rows_per_rank=%d spans %d batches of %d rows; it must not "
+                "exceed one optimizer step's rows per DP rank (local_batch_size x gradient "
+                "accumulation steps): the epoch's last planning step ends in filler rows, and a "
+                "torchtitan step of fillers only has no loss token (a NaN loss)",
+                rows, rows // local_batch_size, local_batch_size,
+            )  # fmt: skip
         self.stream = PackedShardStream(
             url, dp_rank=dp_rank, dp_size=dp_world_size, rows_per_step=rows * dp_world_size,
             seed=config.seed, shuffle=config.shuffle, epochs=config.epochs, cache_dir=config.cache_dir,

@@ -156,6 +156,25 @@ def test_batch_and_step_sizes_are_checked_under_their_own_names(
         build(small_dataset, 0, 1, batch=batch, **cfg)
 
 
+def test_a_planning_step_is_whole_batches_and_a_larger_one_is_warned_of(
+    small_dataset: Path, caplog
+):
+    """The epoch's short last step ends in filler rows: a planning step longer than an
+    optimizer step can give torchtitan a step of fillers only (no loss token, a NaN loss)."""
+    with pytest.raises(
+        ValueError, match=r"rows_per_rank=3 is not a multiple of the loader's batch of 2"
+    ):
+        build(small_dataset, 0, 1, rows_per_rank=3)
+    with caplog.at_level("WARNING", logger="packshard.trainer_shim.titan"):
+        build(small_dataset, 0, 1)  # the default: one batch
+        assert not caplog.text
+        build(small_dataset, 0, 1, rows_per_rank=4)
+    assert (
+        "rows_per_rank=4 spans 2 batches of 2 rows; it must not exceed one optimizer step"
+        in caplog.text
+    )
+
+
 def test_seq_len_above_torchtitans_is_refused(small_dataset: Path):
     config = PackedShardDataLoader.Config(dataset_path=str(small_dataset))
     with pytest.raises(ValueError, match=r"re-pack with --seq-len 256 or raise training\.seq_len"):
