@@ -560,7 +560,7 @@ class ChatMasker:
         self, full: str, msgs: list[dict[str, Any]], tools: Any, k: int, assistant: bool
     ) -> int:
         if k == 0:
-            return 0
+            return self._first_turn_start(full, msgs, tools, assistant)
         head = self.render(msgs[:k], tools, gen=assistant)
         if full.startswith(head):
             return len(head)
@@ -582,6 +582,36 @@ class ChatMasker:
             "template_not_prefix_stable",
             f"the chat template renders messages[:{k}] differently from the start of the full chat, so the loss of messages[{k}] cannot be located",
         )
+
+    def _first_turn_start(
+        self, full: str, msgs: list[dict[str, Any]], tools: Any, assistant: bool
+    ) -> int:
+        """Where messages[0]'s turn starts: after what the template writes before any message
+        (Qwen2.5's default system prompt), found as the text the same message renders again
+        as a second turn; an assistant's after its header, as for later turns."""
+        refuse = BadRecord(
+            "template_not_prefix_stable",
+            "the chat template does not render messages[0] as a turn of its own (the same "
+            "message twice in a row does not repeat its text), so its loss cannot be located",
+        )
+        one = self.render(msgs[:1], tools)
+        try:
+            two = self.render([msgs[0], msgs[0]], tools)
+        except BadRecord:  # a template that refuses a role twice in a row
+            raise refuse from None
+        turn = two[len(one) :] if two.startswith(one) else ""
+        start = len(one) - len(turn)
+        if not turn or not one.endswith(turn) or not full.startswith(one[:start]):
+            raise refuse
+        if not assistant:
+            return start  # as later turns of other roles: from the turn's own start
+        header = self.profile.header or ""
+        cut = _last_boundary(
+            header, 0, _common_prefix_len(header, full[start:]), self.profile.guard
+        )
+        if cut == 0:
+            raise refuse
+        return start + cut
 
     @staticmethod
     def _turn_end(full: str, upto: str, start: int, term: str | None, k: int) -> int:

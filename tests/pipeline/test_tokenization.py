@@ -220,6 +220,28 @@ def test_qwen3_think_block_of_the_last_turn_is_trained_and_earlier_turns_have_no
         assert tok.decode(got.ids[got.mask]).startswith(first)
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "qwen3"])
+def test_a_trained_first_message_starts_after_the_templates_preamble(shared_data: Path, name: str):
+    """Qwen2.5 writes a default system prompt before the first message: a trained
+    messages[0] (a chat opening with the assistant, or --loss-roles user) is its own turn,
+    not that prompt, and an assistant's header is not trained."""
+    tok = load_tokenizer(str(shared_data / "tokenizers" / name))
+    opening = Chat(
+        [
+            {"role": "assistant", "content": "GREETING"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+        ]
+    )
+    text, spans = SampleEncoder(tok).loss_spans(opening)
+    assert text[spans[0][0] : spans[0][1]] == "GREETING<|im_end|>"
+    question = Chat(
+        [{"role": "user", "content": "QUESTION"}, {"role": "assistant", "content": "a"}]
+    )
+    text, spans = SampleEncoder(tok, loss_roles=("user",)).loss_spans(question)
+    assert [text[s:e] for s, e in spans] == ["<|im_start|>user\nQUESTION<|im_end|>"]
+
+
 def test_a_chats_mask_does_not_depend_on_the_chats_its_worker_saw_before(shared_data: Path):
     """The first chats of a worker are checked against prefix renders too (the canary); one
     that prefix renders refuse but the full render locates (Qwen3: two assistant turns in a
