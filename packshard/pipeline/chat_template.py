@@ -588,30 +588,40 @@ class ChatMasker:
     ) -> int:
         """Where messages[0]'s turn starts: after what the template writes before any message
         (Qwen2.5's default system prompt), found as the text the same message renders again
-        as a second turn; an assistant's after its header, as for later turns."""
-        refuse = BadRecord(
-            "template_not_prefix_stable",
-            "the chat template does not render messages[0] as a turn of its own (the same "
-            "message twice in a row does not repeat its text), so its loss cannot be located",
-        )
+        as a second turn; an assistant's after its header, as for later turns. A template
+        that does not render the message so (one that refuses a role twice in a row, ends
+        every render with a trailer as Phi-3 does, or adds tools to the first turn) writes
+        nothing before it that this can see: the turn starts at 0 (an assistant's after its
+        header)."""
         one = self.render(msgs[:1], tools)
         try:
             two = self.render([msgs[0], msgs[0]], tools)
-        except BadRecord:  # a template that refuses a role twice in a row
-            raise refuse from None
+        except BadRecord:
+            two = ""
         turn = two[len(one) :] if two.startswith(one) else ""
         start = len(one) - len(turn)
         if not turn or not one.endswith(turn) or not full.startswith(one[:start]):
-            raise refuse
-        if not assistant:
-            return start  # as later turns of other roles: from the turn's own start
-        header = self.profile.header or ""
-        cut = _last_boundary(
-            header, 0, _common_prefix_len(header, full[start:]), self.profile.guard
-        )
-        if cut == 0:
-            raise refuse
-        return start + cut
+            start = 0
+        return start + (self._assistant_header_len(full, start, msgs[0]) if assistant else 0)
+
+    def _assistant_header_len(self, full: str, start: int, message: dict[str, Any]) -> int:
+        """Length of the assistant header at full[start:]: the generation prompt's part the
+        turn shares (cut at a line end or special token), or, for a template whose prompt is
+        no append (Phi-3), what the message rendered with two other contents shares; 0 when
+        neither says."""
+        header = self.profile.header
+        if header is not None:
+            shared = _common_prefix_len(header, full[start:])
+            return _last_boundary(header, 0, shared, self.profile.guard)
+        try:
+            a, b = (
+                self.render(ChatRenderer.prepare([{**message, "content": p}]))
+                for p in (_PROBE.format("a"), _PROBE.format("b"))
+            )
+        except BadRecord:
+            return 0
+        cut = _last_boundary(a, 0, _common_prefix_len(a, b), self.profile.guard)
+        return cut if full[start : start + cut] == a[:cut] else 0
 
     @staticmethod
     def _turn_end(full: str, upto: str, start: int, term: str | None, k: int) -> int:

@@ -242,6 +242,39 @@ def test_a_trained_first_message_starts_after_the_templates_preamble(shared_data
     assert [text[s:e] for s, e in spans] == ["<|im_start|>user\nQUESTION<|im_end|>"]
 
 
+def test_a_trained_first_message_under_templates_that_write_no_preamble(shared_data: Path):
+    """Phi-3 ends every render with a trailer (no generation prompt appended) and a
+    Gemma-style template refuses a role twice in a row: neither can render the message again
+    as a second turn, and neither writes anything before it; the turn starts at 0, an
+    assistant's after its own header."""
+    import copy
+
+    phi3 = load_tokenizer(str(shared_data / "tokenizers" / "phi-3-mini-instruct"))
+    opening = Chat(
+        [
+            {"role": "assistant", "content": "GREETING"},
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"},
+        ]
+    )
+    text, spans = SampleEncoder(phi3).loss_spans(opening)
+    assert [text[s:e] for s, e in spans] == ["GREETING<|end|>", "a<|end|>"]
+    question = Chat(
+        [{"role": "user", "content": "QUESTION"}, {"role": "assistant", "content": "a"}]
+    )
+    text, spans = SampleEncoder(phi3, loss_roles=("user",)).loss_spans(question)
+    assert [text[s:e] for s, e in spans] == ["<|user|>\nQUESTION<|end|>"]
+    alternating = copy.copy(load_tokenizer(str(shared_data / "tokenizers" / "qwen2.5-instruct")))
+    alternating.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    text, spans = SampleEncoder(alternating, loss_roles=("user", "assistant")).loss_spans(question)
+    assert [text[s:e] for s, e in spans] == ["<|im_start|>user\nQUESTION<|im_end|>", "a<|im_end|>"]
+
+
 def test_a_chats_mask_does_not_depend_on_the_chats_its_worker_saw_before(shared_data: Path):
     """The first chats of a worker are checked against prefix renders too (the canary); one
     that prefix renders refuse but the full render locates (Qwen3: two assistant turns in a
