@@ -92,47 +92,35 @@ class _GzipReader(gzip.GzipFile):
                 raw.close()
 
 
-ZSTD_CHUNK = 1 << 18  # compressed bytes read at a time (each decompressed at once)
-
-
 class _ZstdReader(io.RawIOBase):
     """The frames of a zstd file decompressed one after another (``zstd`` and ``pzstd`` write
-    one or many; concatenated files are many), closing the file with it. A file that ends
-    inside a frame raises EOFError, as gzip does: zstandard's `stream_reader` ends cleanly
-    there, and the records of the cut frame would be lost without a word."""
+    one or many; concatenated files are many) by pyarrow's streaming decompressor, in bounded
+    memory whatever the ratio, closing the file with it. A file that ends inside a frame
+    raises EOFError, as gzip does: zstandard's `stream_reader` ends cleanly there, and the
+    records of the cut frame would be lost without a word."""
 
     def __init__(self, raw: Any) -> None:
-        import zstandard
-
         self._raw = raw
-        self._frame = zstandard.ZstdDecompressor().decompressobj
-        self._obj: Any = None  # the frame being decompressed; None between frames
-        self._input = b""  # compressed bytes past the last frame's end, not yet decompressed
-        self._out = memoryview(b"")  # decompressed bytes not yet read
+        self._stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
-        while not self._out:
-            data, self._input = self._input or self._raw.read(ZSTD_CHUNK), b""
-            if not data:
-                if self._obj is not None:
-                    raise EOFError("the zstd file ends inside a frame (it is truncated)")
-                return 0
-            if self._obj is None:
-                self._obj = self._frame()
-            self._out = memoryview(self._obj.decompress(data))
-            if self._obj.eof:
-                self._input, self._obj = self._obj.unused_data, None
-        n = min(len(b), len(self._out))
-        b[:n] = self._out[:n]
-        self._out = self._out[n:]
+        try:
+            data = self._stream.read(len(b))
+        except OSError as e:
+            if "runcated" in str(e):  # pyarrow's "Truncated compressed stream"
+                raise EOFError("the zstd file ends inside a frame (it is truncated)") from None
+            raise
+        n = len(data)
+        b[:n] = data
         return n
 
     def close(self) -> None:
         if not self.closed:
             try:
+                self._stream.close()
                 self._raw.close()
             finally:
                 super().close()
