@@ -20,8 +20,38 @@ _CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@a
 _QUERY = re.compile(r"[A-Za-z0-9_.~-]+=.*", re.DOTALL)
 # a URL in prose: trailing punctuation (",", ".", ")", ...) belongs to the sentence
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
-# user info outside a URL: ``name:secret@`` right before a host or bucket name
-_USER_INFO = re.compile(r"(?<![^\s'\"(\[=])[^\s'\"()\[\]/:@=]+:[^\s'\"/]+@(?=[A-Za-z0-9\[])")
+# user info outside a URL: ``name:secret@`` right before a host or bucket name (an AWS
+# secret may hold "/")
+_USER_INFO = re.compile(
+    r"(?<![^\s'\"(\[=])[^\s'\"()\[\]/:@=]+:[^\s'\"/][^\s'\"]*@(?=[A-Za-z0-9\[])"
+)
+# ``name:secret@`` at the start of a URL's authority, the secret holding "/" unencoded
+_LEADING_USER_INFO = re.compile(r"[^/:@]+:[^@]*@")
+
+
+_BUCKET_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs"})  # bucket names, no user info
+
+
+class UrlError(ValueError):
+    """A URL packshard refuses before using it (one line, secrets removed)."""
+
+
+def credentials_in(url: str) -> bool:
+    """Whether an object-store URL (``s3://key:secret@bucket/x``) carries user info: its
+    clients read it as part of the bucket name (an http(s) URL's user info is basic auth)."""
+    scheme, _, rest = url.partition("://")
+    return scheme.lower() in _BUCKET_SCHEMES and _LEADING_USER_INFO.match(rest) is not None
+
+
+def refuse_credentials(url: str) -> None:
+    """UrlError for an object-store URL with user info (`credentials_in`), naming it redacted."""
+    if credentials_in(url):
+        scheme = url.partition("://")[0]
+        raise UrlError(
+            f"{redact_url(url)}: credentials in the URL are not read by the {scheme}:// client (it would "
+            "take them for the bucket's name): give them as storage options (--storage-option "
+            "key=... --storage-option secret=...) or the store's environment variables"
+        )
 
 
 def dataset_url(url: object) -> str:
@@ -36,6 +66,7 @@ def dataset_url(url: object) -> str:
         )
     if not url.strip():
         raise ValueError("the dataset URL is empty: give the dataset's directory or URL")
+    refuse_credentials(url)
     return url
 
 
@@ -58,8 +89,13 @@ def redact_url(url: str) -> str:
         rest = rest.split("#", 1)[0].split("?", 1)[0]
     elif "?" in rest and _QUERY.fullmatch(rest.rsplit("?", 1)[1]):
         rest = rest.rsplit("?", 1)[0]
+    lowered = scheme.lower()
+    if lowered not in _CONTAINER_AT_SCHEMES and lowered not in _QUERY_SCHEMES:
+        info = _LEADING_USER_INFO.match(rest)  # a secret may hold "/" (AWS secret keys do)
+        if info is not None:
+            rest = rest[info.end() :]
     authority, slash, path = rest.partition("/")
-    if scheme.lower() not in _CONTAINER_AT_SCHEMES:
+    if lowered not in _CONTAINER_AT_SCHEMES:
         authority = authority.rpartition("@")[2]
     return f"{scheme}://{authority}{slash}{path}"
 

@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from packshard._extras import MissingExtraError
         from packshard.packers import FormatError
-        from packshard.packers.urls import add_redacting_filter
+        from packshard.packers.urls import UrlError, add_redacting_filter
 
         if command == "pack":
             try:
@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FormatError, FileNotFoundError, MissingExtraError) as e:
+    except (FormatError, FileNotFoundError, MissingExtraError, UrlError) as e:
         print(f"packshard {args.command}: {redact_text(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -37,7 +37,13 @@ import fsspec
 
 from packshard.packers import url_to_fs
 from packshard.packers.format import protocols
-from packshard.packers.urls import DEMO_SCHEME, redact_text, redact_url
+from packshard.packers.urls import (
+    DEMO_SCHEME,
+    UrlError,
+    redact_text,
+    redact_url,
+    refuse_credentials,
+)
 from packshard.pipeline.storage import storage_errors, storage_errors_with, unreachable_endpoint
 
 _EXTENSIONS = {
@@ -189,6 +195,10 @@ def _resolve_one(
     if spec.startswith(DEMO_SCHEME):
         return [InputFile(url=spec, format="demo", records=demo_size(spec))]
     try:
+        refuse_credentials(spec)
+    except UrlError as e:
+        raise InputError(f"input {e}") from None
+    try:
         fs, path = url_to_fs(spec, storage_options)
     except (ImportError, ValueError) as e:
         raise InputError(f"input {spec!r}: cannot open its filesystem ({e})") from None
@@ -213,6 +223,16 @@ def _resolve_one(
         raise InputError(f"input {spec!r}: permission denied ({e})") from None
     except storage_errors() as e:
         raise InputError(f"input {spec!r}: cannot be listed ({type(e).__name__}: {e})") from None
+    except TypeError as e:  # a client given options it does not take (aiohttp: endpoint_url)
+        if not storage_options:
+            raise
+        scheme = spec.partition("://")[0] if "://" in spec else "file"
+        raise InputError(
+            f"input {spec!r}: the --storage-option flags ({', '.join(sorted(storage_options))}) "
+            f"go to every input and the output, and the {scheme}:// client does not take them "
+            f"({e}); give the object store's settings through its environment variables "
+            "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL) instead"
+        ) from None
     if _looks_like_hub_name(spec):
         return _hub_dataset(spec, storage_options, split)
     raise InputError(f"input {spec!r} does not exist")

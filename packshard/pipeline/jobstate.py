@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import fsspec
 
-from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, shard_name
+from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, protocols, shard_name
 from packshard.packers.writer import write_json_atomic
 from packshard.pipeline.inputs import redact_text, redact_url
 from packshard.pipeline.storage import (
@@ -86,16 +86,27 @@ def _our_name(name: str) -> bool:
 _SHARD_FILE = re.compile(r"part-\d{5,}\.arrow(\.tmp)?")  # a shard, or one being written
 
 
+def _names_in(fs: fsspec.AbstractFileSystem, directory: str) -> set[str]:
+    """The names listed in a directory, without its own (an object store's "dir/" marker
+    object lists as the directory itself)."""
+    own = directory.rstrip("/")
+    return {
+        p.rstrip("/").rsplit("/", 1)[-1]
+        for p in fs.ls(directory, detail=False)
+        if p.rstrip("/") != own
+    }
+
+
 def foreign_entries(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     """Names under OUT that no pack job writes (sorted), those inside OUT/shards/ included;
     empty when OUT does not exist."""
     if not fs.exists(root) or not fs.isdir(root):
         return []
-    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+    names = _names_in(fs, root)
     foreign = sorted(n for n in names if n and not _our_name(n))
     shards = f"{root}/{SHARDS_DIR}"
     if SHARDS_DIR in names and fs.isdir(shards):
-        inside = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(shards, detail=False)}
+        inside = _names_in(fs, shards)
         foreign += sorted(f"{SHARDS_DIR}/{n}" for n in inside if n and not _SHARD_FILE.fullmatch(n))
     elif SHARDS_DIR in names:
         foreign.append(SHARDS_DIR)  # a file of that name
@@ -140,15 +151,29 @@ def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
     check_writable(fs, root, url)
 
 
+BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})  # whose clients create a bucket
+
+
 def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
-    """Write and delete a probe file in OUT, before any work starts."""
+    """Write and delete a probe file in OUT, before any work starts. An object store's bucket
+    must exist: s3fs and gcsfs create a missing one on the first write, so a mistyped bucket
+    would become a new one, with the store's defaults."""
     probe = f"{root}/{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
+        if BUCKET_PROTOCOLS & set(protocols(fs)):
+            bucket = root.split("/", 1)[0]
+            if not fs.exists(bucket):
+                raise OutputError(
+                    f"output {url}: the bucket {bucket!r} does not exist (packshard does not "
+                    "create buckets: create it, or check its name)"
+                )
         fs.makedirs(root, exist_ok=True)
         with fs.open(probe, "wb") as f:
             f.write(b"packshard write probe\n")
         fs.rm(probe)
     except storage_errors_with(ValueError) as e:
+        if isinstance(e, OutputError):
+            raise
         raise OutputError(f"output {url} is not writable ({describe(e)})") from None
 
 

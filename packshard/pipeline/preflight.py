@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from packshard.packers import url_to_fs
-from packshard.packers.urls import DEMO_SCHEME, redact_url
+from packshard.packers.urls import DEMO_SCHEME, UrlError, redact_url, refuse_credentials
 from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, resolve_specs
 from packshard.pipeline.jobstate import OutputError, check_output
@@ -121,6 +121,10 @@ def has_chat_template(source: TokenizerSource | None) -> bool | None:
 def open_output(cfg: PackConfig) -> tuple[Any, str, bool]:
     """OUT's filesystem and path, checked (see `jobstate.check_output`), and whether the check
     created OUT (a local directory; object stores have none)."""
+    try:
+        refuse_credentials(cfg.output)
+    except UrlError as e:
+        raise OutputError(f"output {e}") from None
     try:
         fs, root = url_to_fs(cfg.output, cfg.storage_options)
     except (ImportError, ValueError) as e:

@@ -510,7 +510,7 @@ def test_input_on_an_unreachable_gcs_endpoint_is_one_line(tmp_path: Path):
     pytest.importorskip("gcsfs")
     rc, err = pack(
         *args(
-            "gs://alice:SECRET@bucket/data/x.jsonl",
+            "gs://bucket/data/x.jsonl",
             tmp_path / "out",
             "--storage-option",
             f"endpoint_url=http://127.0.0.1:{_closed_port()}",

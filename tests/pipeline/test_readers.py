@@ -420,7 +420,10 @@ def test_corrupt_and_unreadable_files_are_named(tmp_path: Path):
         count_records(f)
     (tmp_path / "bad.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"not a zstd frame" * 4)
     (f,) = resolve_inputs([str(tmp_path / "bad.jsonl.zst")])
-    with pytest.raises(InputError, match=r"bad\.jsonl\.zst: unreadable jsonl input \(OSError: ZSTD decompress failed"):
+    with pytest.raises(
+        InputError,
+        match=r"bad\.jsonl\.zst: unreadable jsonl input \(OSError: ZSTD decompress failed",
+    ):
         count_records(f)
     (tmp_path / "bad.jsonl.gz").write_bytes(
         gzip.compress(b'{"text": "x"}\n' * 50)[:-30] + b"x" * 30

@@ -21,6 +21,9 @@ from packshard.packers.urls import RedactingFilter, redact_text, redact_url
         ("ftp://u:SECRET@h/data/x.jsonl", "ftp://h/data/x.jsonl"),
         ("s3://bucket/x.jsonl?token=SE/CRET", "s3://bucket/x.jsonl"),  # a "/" in the value
         ("s3://bucket/part-?.jsonl?X-Amz-Signature=SECRET", "s3://bucket/part-?.jsonl"),
+        # AWS secret keys hold "/" (unencoded in a URL: the authority is not cut there)
+        ("s3://AKIA:SE/CR+ET@bucket/a.jsonl", "s3://bucket/a.jsonl"),
+        ("gs://u:SE/CRET@bkt/o", "gs://bkt/o"),
     ],
 )
 def test_redact_url_strips_user_info_and_query(url: str, expected: str) -> None:
@@ -39,6 +42,8 @@ def test_redact_url_strips_user_info_and_query(url: str, expected: str) -> None:
         "s3://bucket/raw/",
         "hf://datasets/org/name@main/train.jsonl",  # a revision, not user info
         "abfs://container@account.dfs.core.windows.net/x.parquet",  # the container, kept
+        "s3://bucket/a:b@c/x.jsonl",  # a key with ":" and "@" in it
+        "http://host:8080/users/@me/x.jsonl",  # a port, then a path with "@"
     ],
 )
 def test_redact_url_keeps_what_is_no_secret(url: str) -> None:
@@ -65,6 +70,7 @@ def test_redact_text_redacts_every_url_in_a_message() -> None:
         ("bucket 'alice:p@ss@bucket'", "bucket 'bucket'"),
         ("(u:SECRET@host)", "(host)"),
         ("key=u:SECRET@host", "key=host"),
+        ('Invalid bucket name "AKIA:SE/CRET@bucket"', 'Invalid bucket name "bucket"'),
     ],
 )
 def test_redact_text_removes_user_info_outside_a_url(text: str, expected: str) -> None:
@@ -97,3 +103,20 @@ def test_the_cli_filter_drops_library_tracebacks_only() -> None:
     kept = record("gcsfs")
     assert RedactingFilter().filter(kept) and kept.exc_info is not None
     assert kept.getMessage() == "bucket b"
+
+
+def test_object_store_urls_with_credentials_are_refused_redacted() -> None:
+    """s3fs / pyarrow read ``s3://key:secret@bucket`` as a bucket named ``key:secret@bucket``
+    (botocore's error then quotes the secret): such a URL is refused at once, redacted;
+    http(s) user info is basic auth and stays."""
+    from packshard.packers.urls import UrlError, credentials_in, dataset_url
+
+    for url in ("s3://AKIA:SE/CRET@bucket/ds", "gs://u:SECRET@bkt/ds", "s3a://k:SECRET@b/x"):
+        assert credentials_in(url)
+        with pytest.raises(UrlError) as e:
+            dataset_url(url)
+        assert "SECRET" not in str(e.value) and "credentials in the URL are not read" in str(
+            e.value
+        )
+    for url in ("http://u:SECRET@host/ds", "s3://bucket/a:b@c", "abfs://c@acct/x", "/tmp/a:b@c"):
+        assert not credentials_in(url)
