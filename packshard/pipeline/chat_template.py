@@ -662,8 +662,8 @@ def _mentions(value: Any, needles: tuple[str, ...]) -> bool:
     """Whether any string inside `value` (dicts, lists, strings) contains one of `needles`."""
     if isinstance(value, str):
         return any(n in value for n in needles)
-    if isinstance(value, dict):
-        return any(_mentions(v, needles) for v in value.values())
+    if isinstance(value, dict):  # keys too: a tool call's argument names render as well
+        return any(_mentions(k, needles) or _mentions(v, needles) for k, v in value.items())
     if isinstance(value, list | tuple):
         return any(_mentions(v, needles) for v in value)
     return False
@@ -675,6 +675,9 @@ def _where_mentioned(value: Any, needle: str, path: str = "") -> str | None:
     if isinstance(value, str):
         return path if needle in value else None
     if isinstance(value, dict):
+        key = next((k for k in value if isinstance(k, str) and needle in k), None)
+        if key is not None:  # a key renders too (a tool call's argument names)
+            return f"{path}.{key!r} (a key)" if path else f"{key!r} (a key)"
         items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
     elif isinstance(value, list | tuple):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]

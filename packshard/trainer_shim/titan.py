@@ -176,8 +176,8 @@ class PackedShardDataLoader(BaseDataLoader):
                 f"PackedShardDataLoader.Config: rows_per_rank={rows} is not a multiple of the "
                 f"loader's batch of {local_batch_size} rows (a planning step is whole batches)"
             )
-        if rows > local_batch_size:
-            log.warning(
+        if rows > local_batch_size:  # torchtitan passes no gradient accumulation to check it by
+            log.info(
                 "PackedShardDataLoader: rows_per_rank=%d spans %d batches of %d rows; it must not "
                 "exceed one optimizer step's rows per DP rank (local_batch_size x gradient "
                 "accumulation steps): the epoch's last planning step ends in filler rows, and a "

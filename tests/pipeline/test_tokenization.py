@@ -397,6 +397,12 @@ def test_a_terminator_anywhere_in_a_trained_message_is_reported(shared_data: Pat
         "messages[1].tool_calls[0].function.arguments.cmd contains the turn terminator "
         "'<|im_end|>' as text"
     )
+    call["function"]["arguments"] = {"a<|im_end|>": 1}  # an argument's name renders too
+    (got,) = enc.encode([chat])
+    assert isinstance(got, BadRecord) and got.reason == "special_token_in_content"
+    assert got.detail.startswith(
+        "messages[1].tool_calls[0].function.arguments.'a<|im_end|>' (a key)"
+    )
 
 
 def test_templates_that_are_not_prefix_stable_fail_loudly():

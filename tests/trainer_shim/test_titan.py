@@ -156,7 +156,7 @@ def test_batch_and_step_sizes_are_checked_under_their_own_names(
         build(small_dataset, 0, 1, batch=batch, **cfg)
 
 
-def test_a_planning_step_is_whole_batches_and_a_larger_one_is_warned_of(
+def test_a_planning_step_is_whole_batches_and_a_larger_one_is_told_its_limit(
     small_dataset: Path, caplog
 ):
     """The epoch's short last step ends in filler rows: a planning step longer than an
@@ -165,7 +165,7 @@ def test_a_planning_step_is_whole_batches_and_a_larger_one_is_warned_of(
         ValueError, match=r"rows_per_rank=3 is not a multiple of the loader's batch of 2"
     ):
         build(small_dataset, 0, 1, rows_per_rank=3)
-    with caplog.at_level("WARNING", logger="packshard.trainer_shim.titan"):
+    with caplog.at_level("INFO", logger="packshard.trainer_shim.titan"):
         build(small_dataset, 0, 1)  # the default: one batch
         assert not caplog.text
         build(small_dataset, 0, 1, rows_per_rank=4)
