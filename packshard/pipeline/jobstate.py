@@ -154,6 +154,21 @@ def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
 BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})  # whose clients create a bucket
 
 
+def _check_bucket(fs: fsspec.AbstractFileSystem, bucket: str, url: str) -> None:
+    """OutputError when the store says the bucket does not exist (a 404). Any other answer
+    (a role that may write objects but not read the bucket's metadata: a 403) is left to the
+    probe write, which names it."""
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise OutputError(
+            f"output {url}: the bucket {bucket!r} does not exist (packshard does not create "
+            "buckets: create it, or check its name)"
+        ) from None
+    except Exception:  # see the docstring: the probe write reports it
+        return
+
+
 def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
     """Write and delete a probe file in OUT, before any work starts. An object store's bucket
     must exist: s3fs and gcsfs create a missing one on the first write, so a mistyped bucket
@@ -161,12 +176,7 @@ def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
     probe = f"{root}/{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
         if BUCKET_PROTOCOLS & set(protocols(fs)):
-            bucket = root.split("/", 1)[0]
-            if not fs.exists(bucket):
-                raise OutputError(
-                    f"output {url}: the bucket {bucket!r} does not exist (packshard does not "
-                    "create buckets: create it, or check its name)"
-                )
+            _check_bucket(fs, root.split("/", 1)[0], url)
         fs.makedirs(root, exist_ok=True)
         with fs.open(probe, "wb") as f:
             f.write(b"packshard write probe\n")
