@@ -23,10 +23,10 @@ _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\
 # user info outside a URL: ``name:secret@`` right before a host or bucket name (an AWS
 # secret may hold "/")
 _USER_INFO = re.compile(
-    r"(?<![^\s'\"(\[=])[^\s'\"()\[\]/:@=]+:[^\s'\"/][^\s'\"]*@(?=[A-Za-z0-9\[])"
+    r"(?<![^\s'\"(\[=])(?!arn:)[^\s'\"()\[\]/:@=]+:[^\s'\"/][^\s'\"]*@(?=[A-Za-z0-9\[])"
 )
 # ``name:secret@`` at the start of a URL's authority, the secret holding "/" unencoded
-_LEADING_USER_INFO = re.compile(r"[^/:@]+:[^@]*@")
+_LEADING_USER_INFO = re.compile(r"(?!arn:)[^/:@]+:[^@]*@")  # not an access point ARN
 
 
 _BUCKET_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs"})  # bucket names, no user info
@@ -90,7 +90,7 @@ def redact_url(url: str) -> str:
     elif "?" in rest and _QUERY.fullmatch(rest.rsplit("?", 1)[1]):
         rest = rest.rsplit("?", 1)[0]
     lowered = scheme.lower()
-    if lowered not in _CONTAINER_AT_SCHEMES and lowered not in _QUERY_SCHEMES:
+    if lowered in _BUCKET_SCHEMES:  # bucket names hold no ":"; elsewhere a port may come first
         info = _LEADING_USER_INFO.match(rest)  # a secret may hold "/" (AWS secret keys do)
         if info is not None:
             rest = rest[info.end() :]

@@ -44,6 +44,8 @@ def test_redact_url_strips_user_info_and_query(url: str, expected: str) -> None:
         "abfs://container@account.dfs.core.windows.net/x.parquet",  # the container, kept
         "s3://bucket/a:b@c/x.jsonl",  # a key with ":" and "@" in it
         "http://host:8080/users/@me/x.jsonl",  # a port, then a path with "@"
+        "hdfs://namenode:8020/user/alice@CORP/x.jsonl",
+        "s3://arn:aws:s3:us-east-1:123456789012:accesspoint/ap/runs/alice@corp/x.jsonl",
     ],
 )
 def test_redact_url_keeps_what_is_no_secret(url: str) -> None:
@@ -78,7 +80,15 @@ def test_redact_text_removes_user_info_outside_a_url(text: str, expected: str) -
 
 
 @pytest.mark.parametrize(
-    "text", ["git@github.com:org/repo", "at 10:30 today", "mail user@host.com", "s3://b/k:v@x/y"]
+    "text",
+    [
+        "git@github.com:org/repo",
+        "at 10:30 today",
+        "mail user@host.com",
+        "s3://b/k:v@x/y",
+        # S3's AccessDenied names the principal and resource a user needs to fix it
+        "User: arn:aws:sts::123456789012:assumed-role/Role/alice@example.com is not authorized",
+    ],
 )
 def test_redact_text_keeps_what_is_no_user_info(text: str) -> None:
     assert redact_text(text) == text
@@ -118,5 +128,11 @@ def test_object_store_urls_with_credentials_are_refused_redacted() -> None:
         assert "SECRET" not in str(e.value) and "credentials in the URL are not read" in str(
             e.value
         )
-    for url in ("http://u:SECRET@host/ds", "s3://bucket/a:b@c", "abfs://c@acct/x", "/tmp/a:b@c"):
+    for url in (
+        "http://u:SECRET@host/ds",
+        "s3://bucket/a:b@c",
+        "abfs://c@acct/x",
+        "/tmp/a:b@c",
+        "s3://arn:aws:s3:us-east-1:123456789012:accesspoint/ap/alice@corp/x",
+    ):
         assert not credentials_in(url)
