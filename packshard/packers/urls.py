@@ -29,7 +29,9 @@ _USER_INFO = re.compile(
 _LEADING_USER_INFO = re.compile(r"(?!arn:)[^/:@]+:[^@]*@")  # not an access point ARN
 
 
-_BUCKET_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs"})  # bucket names, no user info
+# object stores addressed as scheme://bucket/key: bucket names hold no user info (and no ":"),
+# and their fsspec clients create a missing bucket on the first write
+BUCKET_SCHEMES = frozenset({"s3", "s3a", "s3n", "gs", "gcs"})
 
 
 class UrlError(ValueError):
@@ -40,7 +42,7 @@ def credentials_in(url: str) -> bool:
     """Whether an object-store URL (``s3://key:secret@bucket/x``) carries user info: its
     clients read it as part of the bucket name (an http(s) URL's user info is basic auth)."""
     scheme, _, rest = url.partition("://")
-    return scheme.lower() in _BUCKET_SCHEMES and _LEADING_USER_INFO.match(rest) is not None
+    return scheme.lower() in BUCKET_SCHEMES and _LEADING_USER_INFO.match(rest) is not None
 
 
 def refuse_credentials(url: str) -> None:
@@ -90,7 +92,7 @@ def redact_url(url: str) -> str:
     elif "?" in rest and _QUERY.fullmatch(rest.rsplit("?", 1)[1]):
         rest = rest.rsplit("?", 1)[0]
     lowered = scheme.lower()
-    if lowered in _BUCKET_SCHEMES:  # bucket names hold no ":"; elsewhere a port may come first
+    if lowered in BUCKET_SCHEMES:  # bucket names hold no ":"; elsewhere a port may come first
         info = _LEADING_USER_INFO.match(rest)  # a secret may hold "/" (AWS secret keys do)
         if info is not None:
             rest = rest[info.end() :]

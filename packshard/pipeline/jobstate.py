@@ -46,6 +46,7 @@ from typing import Any, Literal
 import fsspec
 
 from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, protocols, shard_name
+from packshard.packers.urls import BUCKET_SCHEMES
 from packshard.packers.writer import write_json_atomic
 from packshard.pipeline.inputs import redact_text, redact_url
 from packshard.pipeline.storage import (
@@ -151,9 +152,6 @@ def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
     check_writable(fs, root, url)
 
 
-BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})  # whose clients create a bucket
-
-
 def _check_bucket(fs: fsspec.AbstractFileSystem, bucket: str, url: str) -> None:
     """OutputError when the store says the bucket does not exist (a 404). Any other answer
     (a role that may write objects but not read the bucket's metadata: a 403) is left to the
@@ -175,7 +173,7 @@ def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
     would become a new one, with the store's defaults."""
     probe = f"{root}/{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
-        if BUCKET_PROTOCOLS & set(protocols(fs)):
+        if BUCKET_SCHEMES & set(protocols(fs)):
             _check_bucket(fs, root.split("/", 1)[0], url)
         fs.makedirs(root, exist_ok=True)
         with fs.open(probe, "wb") as f:
