@@ -507,7 +507,7 @@ class ChatMasker:
         """The loss spans found in F alone (see the class docstring), or None."""
         header, term, guard = self.profile.header, self.profile.terminator, self.profile.guard
         assert header is not None and term is not None
-        if _mentions(msgs, guard) or _mentions(tools, guard):
+        if _where_mentioned([msgs, tools], guard) is not None:
             return None
         assistant = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
         if full.count(header) != len(assistant) or (assistant and assistant[0] == 0):
@@ -545,7 +545,7 @@ class ChatMasker:
                 continue
             # anywhere in the message (content, a tool call's arguments, reasoning): the turn
             # would end at it, and the rest of it would train nothing
-            where = _where_mentioned(msgs[k], prof.terminator) if prof.terminator else None
+            where = _where_mentioned(msgs[k], (prof.terminator,)) if prof.terminator else None
             if where is not None:
                 raise BadRecord(
                     "special_token_in_content",
@@ -658,35 +658,26 @@ class ChatMasker:
         return end
 
 
-def _mentions(value: Any, needles: tuple[str, ...]) -> bool:
-    """Whether any string inside `value` (dicts, lists, strings) contains one of `needles`."""
+def _where_mentioned(value: Any, needles: Sequence[str]) -> str | None:
+    """Where a string inside `value` (dicts, their keys included: a tool call's argument names
+    render too; lists; strings) contains one of `needles`: its field path relative to `value`
+    ("content", "tool_calls[0].function.arguments.cmd", "" for `value` itself), else None.
+    The path is built only on the way back from a find."""
     if isinstance(value, str):
-        return any(n in value for n in needles)
-    if isinstance(value, dict):  # keys too: a tool call's argument names render as well
-        return any(_mentions(k, needles) or _mentions(v, needles) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_mentions(v, needles) for v in value)
-    return False
-
-
-def _where_mentioned(value: Any, needle: str, path: str = "") -> str | None:
-    """The first field path inside `value` whose string contains `needle` ("content",
-    "tool_calls[0].function.arguments.cmd"), or None."""
-    if isinstance(value, str):
-        return path if needle in value else None
+        return "" if any(n in value for n in needles) else None
     if isinstance(value, dict):
-        key = next((k for k in value if isinstance(k, str) and needle in k), None)
-        if key is not None:  # a key renders too (a tool call's argument names)
-            return f"{path}.{key!r} (a key)" if path else f"{key!r} (a key)"
-        items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
-    elif isinstance(value, list | tuple):
-        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
-    else:
+        for k, v in value.items():
+            if isinstance(k, str) and any(n in k for n in needles):
+                return f"{k!r} (a key)"
+            sub = _where_mentioned(v, needles)
+            if sub is not None:
+                return f"{k}{'' if not sub or sub[0] == '[' else '.'}{sub}"
         return None
-    for sub, v in items:
-        found = _where_mentioned(v, needle, sub)
-        if found is not None:
-            return found
+    if isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            sub = _where_mentioned(v, needles)
+            if sub is not None:
+                return f"[{i}]{'' if not sub or sub[0] == '[' else '.'}{sub}"
     return None
 
 
