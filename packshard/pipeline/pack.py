@@ -33,6 +33,7 @@ shard), 2 bad flags, 130/143 stopped by SIGINT/SIGTERM (rerun the same command t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -190,17 +191,22 @@ def _is_ray_process(p: Any) -> bool:
     the ray package, and its workers and agents name themselves ``ray::...``. (A path that
     merely holds a ``ray`` directory, such as Ray images' ``/home/ray``, is not enough.)"""
     import psutil
-    import ray
 
-    package = os.path.dirname(os.path.abspath(ray.__file__))
-    roots = {package + os.sep, os.path.realpath(package) + os.sep}
     try:
         cmd = p.cmdline()
     except psutil.Error:
         return False
-    return bool(cmd) and (
-        cmd[0].startswith("ray::") or any(arg.startswith(tuple(roots)) for arg in cmd)
-    )
+    roots = _ray_package_roots()
+    return bool(cmd) and (cmd[0].startswith("ray::") or any(a.startswith(roots) for a in cmd))
+
+
+@functools.cache
+def _ray_package_roots() -> tuple[str, ...]:
+    """The ray package's directory as imported and as resolved (a venv may link it)."""
+    import ray
+
+    package = os.path.dirname(os.path.abspath(ray.__file__))
+    return tuple({package + os.sep, os.path.realpath(package) + os.sep})
 
 
 def _stop_new_processes(before: set[int]) -> None:
