@@ -1,6 +1,6 @@
 """Which install extra provides which third-party module, and the ImportError that says so.
 
-The core install (numpy, pyarrow, fsspec, xxhash, zstandard) reads, verifies and describes a
+The core install (numpy, pyarrow, fsspec, xxhash) reads, verifies and describes a
 dataset; each side adds an extra (pyproject.toml). A subpackage imported without its extra
 fails at once with the command that fixes it, not deep inside a call with a bare
 `ModuleNotFoundError: No module named 'torch'`.

@@ -25,7 +25,6 @@ import gzip
 import io
 import json
 import re
-import sys
 import zlib
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -206,20 +205,10 @@ def _unreadable(f: InputFile) -> Iterator[None]:
         yield
     except InputError:
         raise
-    except (OSError, EOFError, pa.ArrowInvalid, ValueError, *_decompression_errors()) as e:
+    except (OSError, EOFError, pa.ArrowInvalid, ValueError, zlib.error) as e:
         raise InputError(
             f"{f.display}: unreadable {f.format} input ({type(e).__name__}: {e})"
         ) from None
-
-
-def _decompression_errors() -> tuple[type[BaseException], ...]:
-    """What corrupt compressed data raises besides OSError: zlib's error (gzip), and zstandard's
-    (only where it was imported: `_open` imports it for .zst files)."""
-    found: list[type[BaseException]] = [zlib.error]
-    zstd = sys.modules.get("zstandard")
-    if zstd is not None:
-        found.append(zstd.ZstdError)
-    return tuple(found)
 
 
 def _replace(f: InputFile, **changes: Any) -> InputFile:
@@ -553,7 +542,7 @@ def read_records(
                 yield _json_location(f, i, lines), records[i]
         else:
             yield from _read_table(f, start, stop, storage_options, fields)
-    except (OSError, EOFError, pa.ArrowInvalid, *_decompression_errors()) as e:
+    except (OSError, EOFError, pa.ArrowInvalid, zlib.error) as e:
         raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
 
 
@@ -618,7 +607,7 @@ def read_tables(
         raise ValueError(f"{f.display}: {f.format} is not a tabular format {TABLE_FORMATS}")
     try:
         yield from _table_pieces(f, start, stop, storage_options, fields)
-    except (OSError, EOFError, pa.ArrowInvalid, *_decompression_errors()) as e:
+    except (OSError, EOFError, pa.ArrowInvalid, zlib.error) as e:
         raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
 
 
