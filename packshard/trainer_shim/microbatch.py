@@ -107,19 +107,20 @@ def key_ranges(
 def _sum_of_squares(doc_lens: np.ndarray) -> int:
     """sum(doc_lens**2) in int64 (a 131072-token document's square passes int32)."""
     d = doc_lens.astype(np.int64)
-    return int(d @ d)
+    return int(np.dot(d, d))  # np.dot: ~1.3 us for a few documents, `d @ d` ~2.1 us
 
 
-_ARANGE32 = np.arange(0, dtype=np.int32)
+_ARANGES: dict[type, np.ndarray] = {}
 
 
-def _arange32(n: int) -> np.ndarray:
-    """A read-only view of 0..n-1 (int32), from one array kept for the longest row seen."""
-    global _ARANGE32
-    if _ARANGE32.size < n:
-        _ARANGE32 = np.arange(max(n, 2 * _ARANGE32.size), dtype=np.int32)
-        _ARANGE32.flags.writeable = False
-    return _ARANGE32[:n]
+def _arange(n: int, dtype: type) -> np.ndarray:
+    """A read-only view of 0..n-1, from one array per dtype kept for the longest row seen."""
+    a = _ARANGES.get(dtype)
+    if a is None or a.size < n:
+        a = np.arange(max(n, 2 * (0 if a is None else a.size)), dtype=dtype)
+        a.flags.writeable = False
+        _ARANGES[dtype] = a
+    return a[:n]
 
 
 def build_microbatch(
@@ -136,8 +137,9 @@ def build_microbatch(
 
     The same values as `labels_of`, `position_ids_of` and `key_ranges` (which tests use as the
     plain reference), computed in fewer passes: ~10 array passes over the row in all. The labels
-    are the int64 token ids moved one left, with -100 put where a target is not trained (one
-    `np.putmask` pass: a masked `copyto` that also casts int32 -> int64 takes ~3x as long).
+    are the int64 token ids moved one left, with -100 where a target is not trained: one
+    `np.where` over a view of the ids one slot on (~6 us for 8K positions; `np.putmask` over
+    the shifted ids takes 17-28 us, depending on the mask).
     """
     input_ids = np.asarray(input_ids)
     length = int(input_ids.size)
@@ -145,19 +147,20 @@ def build_microbatch(
     cu = cu_seqlens_of(doc_lens, length)
     num_tokens = int(cu[doc_lens.size])
     seg_start = np.repeat(cu[:-1], np.diff(cu))  # int32: start of each position's segment
-    arange = _arange32(length)
-    ids64 = input_ids.astype(np.int64)
-    # labels: target of t is token t+1, unless t+1 starts a document or has no loss
-    invalid = np.logical_not(loss_mask[1:])
-    if doc_lens.size > 1:
-        invalid[cu[1 : doc_lens.size] - 1] = True
-    labels = np.empty(length, dtype=np.int64)
+    arange = _arange(length, np.int32)
+    # the int64 ids and one slot more: ids_ext[t + 1] is the target of position t
+    ids_ext = np.empty(length + 1, dtype=np.int64)
+    ids_ext[:length] = input_ids
+    ids_ext[length] = IGNORE_INDEX
+    ids64 = ids_ext[:length]
+    # trained[t]: position t has a target (t+1 has loss and does not start a document)
+    trained = np.zeros(length, dtype=np.bool_)
     if length:
-        labels[:-1] = ids64[1:]
-        labels[-1] = IGNORE_INDEX
-        np.putmask(labels[:-1], invalid, IGNORE_INDEX)
-    num_loss_tokens = int(invalid.size - np.count_nonzero(invalid))
-    pos_ids = arange - seg_start
+        trained[:-1] = loss_mask[1:]
+        trained[cu[1 : doc_lens.size] - 1] = False  # a zero-length document clears only [-1]
+    labels = np.where(trained, ids_ext[1:], IGNORE_INDEX)
+    num_loss_tokens = int(np.count_nonzero(trained))
+    pos_ids = _arange(length, np.int64) - seg_start  # int64 in one pass
     ks = seg_start
     ke = arange + 1
     ks[num_tokens:] = arange[num_tokens:]  # padding: the empty range [p, p)
@@ -181,7 +184,7 @@ def build_microbatch(
     return {
         "input_ids": ids,
         "labels": labels,
-        "position_ids": pos_ids.astype(np.int64),
+        "position_ids": pos_ids,
         "cu_seqlens": cu,
         "ks": np.ascontiguousarray(ks),
         "ke": np.ascontiguousarray(ke),
