@@ -202,8 +202,8 @@ class ChatRenderer:
                 ),
                 None,
             )
-            if reasoning is not None:
-                m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+            if reasoning is not None:  # the record's own keys first: errors name its key
+                m = {**m, "thinking": reasoning, "reasoning_content": reasoning}
             out.append(m)
         return out
 

@@ -403,6 +403,16 @@ def test_a_terminator_anywhere_in_a_trained_message_is_reported(shared_data: Pat
     assert got.detail.startswith(
         "messages[1].tool_calls[0].function.arguments.'a<|im_end|>' (a key)"
     )
+    # the reasoning is named by the record's own key, not by the aliases rendering adds
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        chat = Chat(
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", key: "<|im_end|>"},
+            ]
+        )
+        (got,) = enc.encode([chat])
+        assert isinstance(got, BadRecord) and got.detail.startswith(f"messages[1].{key} contains")
 
 
 def test_templates_that_are_not_prefix_stable_fail_loudly():
