@@ -171,6 +171,12 @@ def protocols(fs: Any) -> tuple[str, ...]:
     return protocol if isinstance(protocol, tuple) else (protocol,)
 
 
+def fs_url(fs: Any, path: str) -> str:
+    """`path` of `fs` as a user wrote it: a local path as it is, anything else with its scheme
+    (``s3://bucket/key``, where fsspec's path is ``bucket/key``)."""
+    return path if protocols(fs)[0] in ("file", "local") else fs.unstrip_protocol(path)
+
+
 def _behind_proxy(fs: Any, parts: urllib.parse.SplitResult) -> bool:
     """The client's requests to this endpoint go through a proxy: one set in botocore's config
     (``config_kwargs={"proxies": ...}``) or in the environment (``HTTP(S)_PROXY``, unless

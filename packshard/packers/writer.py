@@ -37,6 +37,7 @@ from packshard.packers.format import (
     SHARD_SCHEMA,
     FormatError,
     HashingWriter,
+    fs_url,
     protocols,
     shard_name,
 )
@@ -231,7 +232,12 @@ def finalize_dataset(
     if extra:
         manifest.update(extra)
     write_json_atomic(fs, f"{root}/{MANIFEST_NAME}", manifest)
-    log.info("committed %s: %d shards, %d rows", root, len(shards), manifest["totals"]["rows"])
+    log.info(
+        "committed %s: %d shards, %d rows",
+        fs_url(fs, root),
+        len(shards),
+        manifest["totals"]["rows"],
+    )
     return manifest
 
 

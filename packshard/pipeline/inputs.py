@@ -36,7 +36,7 @@ from typing import Any
 import fsspec
 
 from packshard.packers import url_to_fs
-from packshard.packers.format import protocols
+from packshard.packers.format import fs_url, protocols
 from packshard.packers.urls import (
     DEMO_SCHEME,
     UrlError,
@@ -133,11 +133,6 @@ def _format_of(path: str) -> tuple[str, str | None] | None:
                 return None
             return fmt, compression
     return None
-
-
-def _join(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    protocol = protocols(fs)[0]
-    return path if protocol in ("file", "local") else fs.unstrip_protocol(path)
 
 
 def _version(info: Mapping[str, Any]) -> str:
@@ -261,7 +256,7 @@ def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = Fa
             magic = f.read(6)
         fmt = ("arrow" if magic == b"ARROW1" else "arrow_stream", None)
     return InputFile(
-        url=_join(fs, path),
+        url=fs_url(fs, path),
         format=fmt[0],
         compression=fmt[1],
         size=int(info.get("size") or 0),

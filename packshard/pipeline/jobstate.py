@@ -45,7 +45,14 @@ from typing import Any, Literal
 
 import fsspec
 
-from packshard.packers.format import INDEX_NAME, MANIFEST_NAME, SHARDS_DIR, protocols, shard_name
+from packshard.packers.format import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    SHARDS_DIR,
+    fs_url,
+    protocols,
+    shard_name,
+)
 from packshard.packers.urls import BUCKET_SCHEMES
 from packshard.packers.writer import write_json_atomic
 from packshard.pipeline.inputs import redact_text, redact_url
@@ -365,7 +372,7 @@ def clear_output(fs: fsspec.AbstractFileSystem, root: str) -> None:
             if p.rsplit("/", 1)[-1].startswith("part-"):
                 fs.rm(p)
     remove_job_state(fs, root)
-    log.info("cleared the previous dataset / job state under %s", redact_url(root))
+    log.info("cleared the previous dataset / job state under %s", redact_url(fs_url(fs, root)))
 
 
 def remove_job_state(fs: fsspec.AbstractFileSystem, root: str) -> None:

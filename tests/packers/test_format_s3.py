@@ -33,11 +33,13 @@ def write_s3(url, s3_server, ids, seq_len, **writer_kw):
     return batch, w.close({"samples_in": n, "samples_kept": n, "dropped": {}})
 
 
-def test_round_trip_s3(s3_server, s3_bucket):
+def test_round_trip_s3(s3_server, s3_bucket, caplog):
     rng = np.random.default_rng(1)
     ids = [rng.integers(0, 500, int(n)).astype(np.int32) for n in rng.integers(1, 900, 300)]
     url = f"s3://{s3_bucket}/run1"
-    batch, manifest = write_s3(url, s3_server, ids, 1024, max_rows=40)
+    with caplog.at_level("INFO", logger="packshard.packers.writer"):
+        batch, manifest = write_s3(url, s3_server, ids, 1024, max_rows=40)
+    assert f"committed {url}: " in caplog.text  # the URL as given, scheme included
     assert len(manifest["shards"]) > 1
     ds = ShardDataset.open(url, storage_options=s3_server["storage_options"])
     for s in range(len(ds.shards)):
