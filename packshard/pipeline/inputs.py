@@ -339,11 +339,15 @@ def _split_does_not_apply(spec: str, split: str, why: str) -> None:
 
 def split_in_name(rel: str) -> str | None:
     """The split a data file's path (relative to its directory) names, the hub's way: a
-    directory named for it (``train/part-0.jsonl``), or a file name that is the split, alone
-    or with a shard number (``test.jsonl``, ``train-00000-of-00002.parquet``, ``val_3.jsonl``);
-    else None (``unit_test_writing.jsonl`` names none)."""
+    hub shard name, whatever its split is called (``train_sft-00000-of-00003-5f4c8e2a.parquet``:
+    ``train_sft``), a directory named for a split (``train/part-0.jsonl``), or a file name that
+    is a split, alone or with a shard number (``test.jsonl``, ``train-00000-of-00002.parquet``,
+    ``val_3.jsonl``); else None (``unit_test_writing.jsonl`` names none)."""
     *dirs, name = rel.lower().split("/")
     stem = name.split(".", 1)[0]
+    hub = _HUB_SHARD.fullmatch(stem)
+    if hub:
+        return SPLIT_WORDS.get(hub["split"], hub["split"])
     for word in (*dirs, _SHARD_SUFFIX.sub("", stem)):
         if word in SPLIT_WORDS:
             return SPLIT_WORDS[word]
@@ -351,6 +355,8 @@ def split_in_name(rel: str) -> str | None:
 
 
 _SHARD_SUFFIX = re.compile(r"([-_]\d+)*(-of-\d+)?$")
+# the hub's shard names: SPLIT-00000-of-00003, then a content hash in older uploads
+_HUB_SHARD = re.compile(r"(?P<split>\w+?)-\d+-of-\d+(?:-[0-9a-f]+)?")
 
 
 def _hidden(rel: str) -> bool:
@@ -413,18 +419,14 @@ def _hub_dataset(
     url = f"hf://datasets/{name}"
     try:
         fs, path = url_to_fs(url, storage_options)
-        paths = sorted(p for p in fs.find(path) if _format_of(p))
+        return _directory(fs, path, url, split)  # the splits as a local copy of it has them
+    except InputError:
+        raise
     except storage_errors_with(ImportError, ValueError) as e:
         raise InputError(
             f"input {name!r} is not a local path, and the Hugging Face hub dataset of that name cannot "
             f"be listed ({type(e).__name__}: {e}); check the name and network access"
         ) from None
-    chosen = [
-        p for p in paths if f"/{split}" in p[len(path) :] or posixpath.basename(p).startswith(split)
-    ]
-    if not chosen:
-        raise InputError(f"hub dataset {name!r} has no data files for split {split!r}")
-    return [_file(fs, p, url) for p in chosen]
 
 
 # ---- demo ------------------------------------------------------------------------------

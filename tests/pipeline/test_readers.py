@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import posixpath
 from dataclasses import replace
 from pathlib import Path
 
@@ -385,6 +386,45 @@ def test_a_directory_with_split_names_reads_one_split(tmp_path: Path, caplog):
     with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
         assert len(_all(str(d / "test-00000-of-00001.parquet"), split="validation")) == 3
     assert "--split validation does not apply (a file): read whole" in caplog.text
+
+
+def test_hub_shard_names_name_their_split_whatever_it_is(tmp_path: Path, caplog, monkeypatch):
+    """Older uploads add a content hash (train-00000-of-00001-5f4c8e2a.parquet); a split may
+    have any name (ultrachat's train_sft, test_sft): none of it is read as another split."""
+    import fsspec
+
+    from packshard.pipeline import inputs
+
+    d = tmp_path / "hub" / "data"
+    d.mkdir(parents=True)
+    for name, n in [("train-00000-of-00001-5f4c8e2a1b3d9f70", 4), ("test-00000-of-00001-0a9d2e1c", 2)]:  # fmt: skip
+        pq.write_table(pa.table({"n": list(range(n))}), d / f"{name}.parquet")
+    (d.parent / "README.md").write_text("# x")
+
+    def records(spec: str, **kw) -> int:
+        return sum(count_records(f).records for f in resolve_inputs([spec], **kw))
+
+    with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
+        assert records(str(tmp_path / "hub")) == 4
+    assert "test-00000-of-00001-0a9d2e1c.parquet (split test)" in caplog.text
+    assert records(str(tmp_path / "hub"), split="test") == 2
+    sft = tmp_path / "sft" / "data"
+    sft.mkdir(parents=True)
+    for name, n in [("train_sft-00000-of-00002-aa01", 3), ("train_sft-00001-of-00002-bb02", 2), ("test_sft-00000-of-00001-cc03", 1), ("train_gen-00000-of-00001-dd04", 7)]:  # fmt: skip
+        pq.write_table(pa.table({"n": list(range(n))}), sft / f"{name}.parquet")
+    assert records(str(tmp_path / "sft"), split="train_sft") == 5
+    with pytest.raises(InputError, match=r"\['test_sft', 'train_gen', 'train_sft'\].*not 'train'"):
+        resolve_inputs([str(tmp_path / "sft")])
+    # a hub name lists the same way (its filesystem stood in for by the local copy)
+    monkeypatch.setattr(
+        inputs, "url_to_fs", lambda url, so=None: (fsspec.filesystem("file"), str(tmp_path / "sft"))
+    )
+    assert [
+        posixpath.basename(f.url) for f in resolve_inputs(["org/ultra"], split="train_sft")
+    ] == [
+        "train_sft-00000-of-00002-aa01.parquet",
+        "train_sft-00001-of-00002-bb02.parquet",
+    ]
 
 
 def test_demo_input_is_generated_where_it_is_read():
