@@ -639,9 +639,16 @@ def _read_table(
 
 
 def table_records(table: pa.Table) -> list[dict[str, Any]]:
-    """The table's rows as dicts, with Arrow's JSON extension type (``arrow.json``, what 🤗
-    datasets 5 writes for values of mixed shape: tool schemas, messages) decoded: pyarrow gives
-    such values as their JSON text, which would otherwise reach the chat template as strings."""
+    """The table's rows as dicts, their nested values as a JSON record would have them:
+
+    - Arrow's JSON extension type (``arrow.json``, what 🤗 datasets 5 writes for values of mixed
+      shape: tool schemas, messages) decoded: pyarrow gives such values as their JSON text,
+      which would otherwise reach the chat template as strings;
+    - a struct's null fields left out: Arrow gives all the records of a column one struct type,
+      the union of their keys, so a tool call to ``get_weather(city)`` beside one to
+      ``search(query, n)`` reads back as ``{"city": "Paris", "query": None, "n": None}``, and
+      the chat template would render (and train) arguments nobody wrote. A null a record did
+      write in a struct is indistinguishable from a missing key there, and goes too."""
     records = table.to_pylist()
     decoders = [
         (name, decode) for name, t in zip(table.column_names, table.schema.types, strict=True)
@@ -655,7 +662,8 @@ def table_records(table: pa.Table) -> list[dict[str, Any]]:
 
 def _json_decoder(t: pa.DataType) -> Callable[[Any], Any] | None:
     """A function decoding the ``arrow.json`` values inside a value of type `t` (as pyarrow's
-    to_pylist gives it), or None when `t` holds none: only the parts that hold JSON are walked."""
+    to_pylist gives it) and leaving its structs' null fields out, or None when `t` holds
+    neither: only the parts that hold JSON or structs are walked."""
     if isinstance(t, pa.BaseExtensionType):
         return _json_loads if t.extension_name == "arrow.json" else _json_decoder(t.storage_type)
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
@@ -670,10 +678,10 @@ def _json_decoder(t: pa.DataType) -> Callable[[Any], Any] | None:
         )
     if pa.types.is_struct(t):
         fields = {f.name: d for f in t if (d := _json_decoder(f.type)) is not None}
-        if not fields:
-            return None
         return lambda v: (
-            None if v is None else {k: fields[k](x) if k in fields else x for k, x in v.items()}
+            None
+            if v is None
+            else {k: fields[k](x) if k in fields else x for k, x in v.items() if x is not None}
         )
     return None
 

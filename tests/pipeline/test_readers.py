@@ -317,6 +317,37 @@ def test_hf_save_to_disk_directories(tmp_path: Path):
         resolve_inputs([str(tmp_path / "dd")], split="validation")
 
 
+def test_struct_columns_read_back_without_the_other_records_keys(tmp_path: Path):
+    """Arrow gives a column one struct type, the union of its records' keys: a tool call read
+    back from parquet must not gain the other calls' arguments as nulls (the template would
+    render them, and the model learn arguments nobody wrote)."""
+
+    def chat(name: str, args: dict) -> dict:
+        call = {"type": "function", "function": {"name": name, "arguments": args}}
+        return {
+            "messages": [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "ok"},
+                {"role": "assistant", "content": "done"},
+            ],
+            "tools": [
+                {"name": name, "parameters": {"properties": {k: {"type": "string"} for k in args}}}
+            ],
+        }
+
+    records = [chat("get_weather", {"city": "Paris"}), chat("search", {"query": "q", "n": 3})]
+    table = pa.Table.from_pylist(records)
+    assert table.column("messages").to_pylist()[0][1]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris", "query": None, "n": None,
+    }  # fmt: skip
+    pq.write_table(table, tmp_path / "t.parquet")
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    for name in ("t.parquet", "t.arrow"):
+        assert [r for _, r in _all(str(tmp_path / name))] == records, name
+
+
 def test_arrows_json_extension_type_is_decoded(tmp_path: Path):
     """🤗 datasets 5 stores values of mixed shape (tool schemas' properties, messages) as
     Arrow's ``arrow.json`` extension type; pyarrow hands them out as JSON text."""
