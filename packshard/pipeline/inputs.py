@@ -287,6 +287,14 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
                 f"input {spec!r} is a DatasetDict without split {split!r} (it has {splits}); pass --split"
             )
         path = f"{path}/{split}"
+        if len(splits) > 1:
+            others = ", ".join(str(x) for x in splits if x != split)
+            log.warning(
+                "input %s: a DatasetDict: read its split %s, not %s (--split picks)",
+                redact_url(spec), split, others,
+            )  # fmt: skip
+    elif fs.isfile(f"{path}/state.json"):
+        _split_does_not_apply(spec, split, "a saved Dataset, not a DatasetDict")
     if fs.isfile(
         f"{path}/state.json"
     ):  # a Hugging Face save_to_disk dataset: its arrow files, in order
@@ -303,6 +311,7 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
     found = sorted(fs.find(path))
     shown = {p: posixpath.relpath(p, path) for p in found}
+    _refuse_saved_datasets_inside(spec, [shown[p] for p in found])
     readable = [p for p in found if _format_of(p) and not _hidden(shown[p])]
     splits = {p: split_in_name(shown[p]) for p in readable}
     present = sorted({s for s in splits.values() if s is not None})
@@ -319,6 +328,23 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         )
     other = {p: f"split {s}" for p, s in splits.items() if s != wanted}
     return _read_and_warn(fs, spec, found, shown, skip_hidden=True, left_out=other)
+
+
+_SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what save_to_disk writes beside its data
+
+
+def _refuse_saved_datasets_inside(spec: str, rels: Sequence[str]) -> None:
+    """A directory holding `save_to_disk` datasets below its top: read as plain files, their
+    metadata JSON would be records and a DatasetDict's splits all read. Name them instead."""
+    dirs = {posixpath.dirname(r) for r in rels if posixpath.basename(r) in _SAVED_MARKERS}
+    tops = sorted(d for d in dirs if not any(d.startswith(f"{o}/") for o in dirs))
+    if tops:
+        listed = ", ".join(f"{d}/" for d in tops[:IGNORED_SHOWN])
+        more = f" and {len(tops) - IGNORED_SHOWN} more" if len(tops) > IGNORED_SHOWN else ""
+        raise InputError(
+            f"input {spec!r} holds Hugging Face save_to_disk datasets ({listed}{more}); "
+            "pass each as its own --input (a DatasetDict's folder reads the split --split names)"
+        )
 
 
 # Split names in data file names, as the Hugging Face hub lays them out

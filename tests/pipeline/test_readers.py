@@ -348,6 +348,31 @@ def test_struct_columns_read_back_without_the_other_records_keys(tmp_path: Path)
         assert [r for _, r in _all(str(tmp_path / name))] == records, name
 
 
+def test_a_folder_of_saved_datasets_is_refused_naming_them(tmp_path: Path):
+    """Read as plain files, their dataset_info.json / state.json would be records and a
+    DatasetDict's test split training data."""
+    datasets = pytest.importorskip("datasets")
+    one = datasets.Dataset.from_list([{"text": f"t{i}"} for i in range(3)])
+    datasets.DatasetDict({"train": one, "test": one}).save_to_disk(str(tmp_path / "all" / "dd"))
+    one.save_to_disk(str(tmp_path / "all" / "plain"))
+    with pytest.raises(InputError, match=r"save_to_disk datasets \(dd/, plain/\); pass each"):
+        resolve_inputs([str(tmp_path / "all")])
+    assert len(_all(str(tmp_path / "all" / "dd"))) == 3  # each on its own reads as before
+
+
+def test_saved_datasets_say_which_split_they_read(tmp_path: Path, caplog):
+    datasets = pytest.importorskip("datasets")
+    one = datasets.Dataset.from_list([{"text": f"t{i}"} for i in range(3)])
+    datasets.DatasetDict({"train": one, "test": one.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    one.save_to_disk(str(tmp_path / "plain"))
+    with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
+        assert len(_all(str(tmp_path / "dd"))) == 3
+        assert "a DatasetDict: read its split train, not test (--split picks)" in caplog.text
+        caplog.clear()
+        assert len(_all(str(tmp_path / "plain"), split="test")) == 3
+        assert "--split test does not apply (a saved Dataset, not a DatasetDict)" in caplog.text
+
+
 def test_arrows_json_extension_type_is_decoded(tmp_path: Path):
     """🤗 datasets 5 stores values of mixed shape (tool schemas' properties, messages) as
     Arrow's ``arrow.json`` extension type; pyarrow hands them out as JSON text."""
