@@ -5,7 +5,9 @@ Sample kinds (`--kind`, detected per record when ``auto``):
 - ``messages``: a chat, ``{"messages": [{"role", "content", ...}], "tools": [...]?}``. Roles are
   ``system``, ``user``, ``assistant`` and ``tool``; other message keys (``tool_calls``,
   ``tool_call_id``, ``reasoning_content``, ``name``) pass through to the chat template untouched.
-  ``tools`` may be a list of JSON schemas or a JSON string of one.
+  ``tools`` may be a list of JSON schemas or a JSON string of one. ShareGPT's layout reads
+  the same: a ``conversations`` field (where the record has no ``messages`` and --columns maps
+  none) of ``{"from", "value"}`` turns, ``from`` one of `SHAREGPT_ROLES`.
 - ``prompt_completion``: ``prompt`` + ``completion``, each a string or a list of messages. With a
   chat template it becomes a chat whose loss covers only the completion's messages; with a
   tokenizer that has no chat template it is plain text, loss on the completion and EOS.
@@ -33,6 +35,12 @@ from typing import Any, Literal
 Kind = Literal["auto", "messages", "prompt_completion", "text", "input_ids"]
 KINDS: tuple[str, ...] = ("auto", "messages", "prompt_completion", "text", "input_ids")
 KNOWN_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+# ShareGPT's turn authors (``{"from": ..., "value": ...}``) as roles
+SHAREGPT_ROLES: dict[str, str] = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant",
+    "assistant": "assistant", "tool": "tool", "observation": "tool", "function_response": "tool",
+}  # fmt: skip
+SHAREGPT_FIELD = "conversations"  # where ShareGPT keeps a chat
 CANONICAL_FIELDS: tuple[str, ...] = (
     "messages",
     "tools",
@@ -140,7 +148,16 @@ def parse_columns(specs: Sequence[str] | None) -> dict[str, str]:
 
 def source_fields(columns: Mapping[str, str]) -> list[str]:
     """Every raw field name a record may be read under (for column projection of parquet)."""
-    return sorted({columns.get(f, f) for f in CANONICAL_FIELDS})
+    fields = {columns.get(f, f) for f in CANONICAL_FIELDS}
+    return sorted(fields if "messages" in columns else fields | {SHAREGPT_FIELD})
+
+
+def _with_sharegpt(columns: Mapping[str, str], present: Callable[[str], bool]) -> Mapping[str, str]:
+    """`columns`, reading messages from ShareGPT's ``conversations`` where the record (or
+    schema) has that and no ``messages``, and --columns maps no messages field."""
+    if "messages" in columns or present("messages") or not present(SHAREGPT_FIELD):
+        return columns
+    return {**columns, "messages": SHAREGPT_FIELD}
 
 
 KIND_FIELDS: dict[str, tuple[str, ...]] = {
@@ -181,8 +198,8 @@ def column_problem(
 ) -> str | None:
     """Why records with these columns (a parquet / Arrow schema) cannot be samples of `kind`,
     or None when they can (values are checked per record later)."""
-    columns = columns or {}
     present = set(names)
+    columns = _with_sharegpt(columns or {}, present.__contains__)
 
     def has(field: str) -> bool:
         return columns.get(field, field) in present
@@ -215,7 +232,7 @@ def to_sample(
         raise BadRecord(
             "not_an_object", f"a record must be a JSON object, got {type(record).__name__}"
         )
-    columns = columns or {}
+    columns = _with_sharegpt(columns or {}, lambda n: record.get(n) is not None)
 
     def get(field: str) -> Any:
         return record.get(columns.get(field, field))
@@ -290,6 +307,12 @@ def _messages(value: Any, field: str) -> list[dict[str, Any]]:
         )
     if not value:
         raise BadRecord("empty_conversation", f"{field} is an empty list")
+    value = [
+        _from_sharegpt(m, f"{field}[{i}]")
+        if isinstance(m, Mapping) and "role" not in m and "from" in m
+        else m
+        for i, m in enumerate(value)
+    ]
     for i, m in enumerate(value):
         if not isinstance(m, Mapping):
             raise BadRecord(
@@ -313,6 +336,21 @@ def _messages(value: Any, field: str) -> list[dict[str, Any]]:
                 "(flatten multi-part content to text first)",
             )
     return [dict(m) for m in value]
+
+
+def _from_sharegpt(turn: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A ShareGPT turn ``{"from": "human", "value": "..."}`` as a message."""
+    author = turn.get("from")
+    role = SHAREGPT_ROLES.get(author) if isinstance(author, str) else None
+    if role is None:
+        raise BadRecord(
+            "unknown_role",
+            f"{where} is a ShareGPT turn from {author!r}; packshard reads "
+            f"{sorted(SHAREGPT_ROLES)} (convert other turns, such as function calls, to messages "
+            "with tool_calls)",
+        )
+    rest = {k: v for k, v in turn.items() if k not in ("from", "value")}
+    return {"role": role, "content": turn.get("value"), **rest}
 
 
 def _tools(value: Any) -> list[Any] | None:

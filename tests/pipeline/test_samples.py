@@ -168,3 +168,36 @@ def test_a_column_mapped_twice_is_refused():
     assert parse_columns(["text=body", "text=body"]) == {"text": "body"}
     with pytest.raises(ValueError, match="--columns maps 'text' twice \\('body' and 'doc'\\)"):
         parse_columns(["text=body,text=doc"])
+
+
+def test_sharegpt_conversations_read_as_messages():
+    """ShareGPT's layout (OpenHermes, SlimOrca, ...): `conversations` of {"from", "value"}."""
+    from packshard.pipeline.samples import column_problem, source_fields
+
+    rec = {
+        "conversations": [
+            {"from": "system", "value": "s"},
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a", "weight": 1},
+        ]
+    }
+    s = to_sample(rec)
+    assert isinstance(s, Chat) and s.messages == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "weight": 1},
+    ]
+    assert rec["conversations"][0] == {"from": "system", "value": "s"}  # the record untouched
+    assert column_problem(["conversations", "id"]) is None  # a parquet schema of it
+    assert "conversations" in source_fields({})  # parquet projection keeps the column
+    # mapped explicitly, or with messages present, --columns and messages win
+    assert to_sample(rec, columns={"messages": "conversations"}).messages == s.messages
+    both = {**CHAT, "conversations": [{"from": "human", "value": "other"}]}
+    assert to_sample(both).messages == CHAT["messages"]
+    bad = {
+        "conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"}]
+    }
+    with pytest.raises(
+        BadRecord, match=r"conversations\[1\] is a ShareGPT turn from 'function_call'"
+    ):
+        to_sample(bad)
