@@ -19,7 +19,7 @@ def column_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
         if col.num_chunks == 1:
             return column_numpy(col.chunk(0))
         if col.num_chunks == 0:
-            return np.zeros(0, dtype=_numpy_dtype(col.type))
+            return np.zeros(0, dtype=numpy_dtype(col.type))
         return np.concatenate([column_numpy(c) for c in col.chunks])
     if col.null_count:
         raise ValueError(f"a {col.type} column with {col.null_count} nulls has no numpy view")
@@ -32,7 +32,7 @@ def column_numpy(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
         return np.unpackbits(bits, bitorder="little")[first % 8 : first % 8 + len(col)].view(
             np.bool_
         )
-    dtype = _numpy_dtype(col.type)
+    dtype = numpy_dtype(col.type)
     if len(col) == 0:
         return np.zeros(0, dtype)
     return np.frombuffer(data, dtype=dtype, count=len(col), offset=col.offset * dtype.itemsize)
@@ -45,7 +45,7 @@ def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     if pa.types.is_boolean(value_type):
         return bool_array(values)
     values = np.asarray(values)
-    dtype = _numpy_dtype(value_type)
+    dtype = numpy_dtype(value_type)
     if values.ndim != 1:
         raise ValueError(f"numeric_array takes 1-D arrays, not shape {values.shape}")
     if values.size and values.dtype.kind == "f" and dtype.kind in "iu":
@@ -65,7 +65,13 @@ def bool_array(values: np.ndarray) -> pa.BooleanArray:
     return pa.Array.from_buffers(pa.bool_(), values.size, [None, pa.py_buffer(bits)])
 
 
-def _numpy_dtype(arrow_type: pa.DataType) -> np.dtype:
-    if not (pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)):
+def numpy_dtype(arrow_type: pa.DataType) -> np.dtype:
+    """The numpy dtype of a fixed-width Arrow integer or float type, from its width and sign:
+    `DataType.to_pandas_dtype` imports pandas in pyarrow < 26, which the core install lacks."""
+    if pa.types.is_integer(arrow_type):
+        kind = "i" if pa.types.is_signed_integer(arrow_type) else "u"
+    elif pa.types.is_floating(arrow_type):
+        kind = "f"
+    else:
         raise TypeError(f"{arrow_type} is not a fixed-width numeric type")
-    return np.dtype(arrow_type.to_pandas_dtype())
+    return np.dtype(f"{kind}{arrow_type.bit_width // 8}")

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from packshard.packers import ipc
+from packshard.packers.arrays import numpy_dtype
 from packshard.packers.format import (
     SHARD_SCHEMA,
     FormatError,
@@ -202,7 +203,7 @@ def _list_buffers(arr: pa.ListArray, where: str) -> tuple[np.ndarray, np.ndarray
         raise FormatError(f"{where}: a list column holds nulls")
     bufs, child = arr.buffers(), arr.values
     bits = pa.types.is_boolean(child.type)
-    dtype = np.dtype(np.uint8 if bits else child.type.to_pandas_dtype())
+    dtype = np.dtype(np.uint8) if bits else numpy_dtype(child.type)
     end = child.offset + len(child)
     need = (end + 7) // 8 if bits else end * dtype.itemsize
     if (

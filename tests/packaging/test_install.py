@@ -160,7 +160,9 @@ def test_core_and_train_extras_stream_a_dataset(wheel: Path, tmp_path: Path) -> 
     lengths = np.random.default_rng(0).integers(5, 60, size=40)
     write_synthetic_dataset(str(url), lengths=lengths, seq_len=128, pad_multiple=8)
 
-    python = _venv(tmp_path / "venv", f"packshard[train] @ {wheel.as_uri()}")
+    # the oldest pyarrow packshard takes: pyarrow < 26 imports pandas (which the core install
+    # lacks) in DataType.to_pandas_dtype, and Python 3.10 gets pyarrow 25 at the newest
+    python = _venv(tmp_path / "venv", f"packshard[train] @ {wheel.as_uri()}", "pyarrow==17.0.0")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     got = json.loads(_run([str(python), "-c", STREAM, str(url)], cwd=tmp_path, env=env))
     assert got["heavy"] == [], f"the [train] extra pulled in {got['heavy']}"

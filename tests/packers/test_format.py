@@ -169,3 +169,13 @@ def test_required_shard_keys_are_the_shard_entry_fields_but_the_optional_one():
     from packshard.packers.manifest import SHARD_KEYS, ShardEntry
 
     assert {*SHARD_KEYS, "rows_per_batch"} == {f.name for f in fields(ShardEntry)}
+
+
+def test_numpy_dtypes_of_arrow_types_need_no_pandas():
+    from packshard.packers.arrays import numpy_dtype
+
+    for t in (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
+              pa.uint32(), pa.uint64(), pa.float16(), pa.float32(), pa.float64()):  # fmt: skip
+        assert numpy_dtype(t) == np.dtype(t.to_pandas_dtype()), t
+    with pytest.raises(TypeError, match="not a fixed-width numeric type"):
+        numpy_dtype(pa.string())
