@@ -129,11 +129,19 @@ def start_ray(cfg: PackConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.WARNING)
         return True
-    root = str(
-        Path(__file__).resolve().parents[2]
-    )  # workers import `packshard` from a checkout too
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    start_local_ray(cfg.num_cpus)
+    # Workers import `packshard` from a checkout too: the local Ray's processes inherit this
+    # PYTHONPATH when they start; the caller's environment is given back afterwards (a process
+    # that packs in-process and starts other Pythons later must not pass them our path).
+    root = str(Path(__file__).resolve().parents[2])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, before) if p)
+    try:
+        start_local_ray(cfg.num_cpus)
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return True
 
 

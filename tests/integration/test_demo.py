@@ -52,3 +52,28 @@ def test_readme_main_command(tmp_path: Path):
         timeout=300,
     )
     assert v.returncode == 0 and "verify: OK" in v.stdout, v.stdout + v.stderr
+
+
+IN_PROCESS = """
+import os, sys
+from packshard.pipeline.pack import main
+before = os.environ.get("PYTHONPATH")
+rc = main(["--demo", "--output", sys.argv[1], "--no-progress", "--num-cpus", "1"])
+print("RC", rc, "PYTHONPATH kept", os.environ.get("PYTHONPATH") == before)
+"""
+
+
+def test_an_in_process_job_leaves_the_environment_as_it_was(tmp_path: Path):
+    """The local Ray's workers get the checkout on their PYTHONPATH; the calling process, which
+    may start other Pythons later, keeps its own."""
+    with ray_tmpdir() as rt:
+        env = {k: v for k, v in pack_env(rt).items() if k != "PYTHONPATH"}
+        r = subprocess.run(
+            [str(BIN / "python"), "-c", IN_PROCESS, str(tmp_path / "out")],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    assert "RC 0 PYTHONPATH kept True" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
