@@ -59,14 +59,16 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from packshard._extras import require
-from packshard.trainer_shim.flatten import flatten_rows
-from packshard.trainer_shim.hf_dataset import (
+
+require("hf", "torch", "packshard.trainer_shim.hf")  # before the modules below import it
+from packshard.trainer_shim.flatten import flatten_rows  # noqa: E402
+from packshard.trainer_shim.hf_dataset import (  # noqa: E402
     PackedRow,
     PackedShardDataset,
     parallel_sizes,
     topology_for,
 )
-from packshard.trainer_shim.meter import StepStats, TrainedTokenMeter
+from packshard.trainer_shim.meter import StepStats, TrainedTokenMeter  # noqa: E402
 
 require("hf", "transformers", "packshard.trainer_shim.hf")
 from transformers import TrainerCallback  # noqa: E402

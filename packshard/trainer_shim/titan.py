@@ -38,12 +38,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from packshard._extras import require
-from packshard.trainer_shim.flatten import flatten_rows
-from packshard.trainer_shim.stream import PackedShardStream
-from packshard.trainer_shim.topology import Topology, rank_world
+
+require("torchtitan", "torch", "packshard.trainer_shim.titan")  # before anything imports it
+import torch  # noqa: E402
+
+from packshard.trainer_shim.flatten import flatten_rows  # noqa: E402
+from packshard.trainer_shim.stream import PackedShardStream  # noqa: E402
+from packshard.trainer_shim.topology import Topology, rank_world  # noqa: E402
 
 require("torchtitan", "torchtitan", "packshard.trainer_shim.titan")
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
