@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -169,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `packshard stats URL | head`: the reader has left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 141  # 128 + SIGPIPE, as a shell tool killed by it
     except (FormatError, FileNotFoundError, MissingExtraError, UrlError) as e:
         print(f"packshard {args.command}: {redact_text(str(e))}", file=sys.stderr)
         return 1

@@ -62,6 +62,20 @@ def test_stats_json_reads_manifest_and_index(dataset, capsys):
     assert sum(st["histogram"]["counts"]) == batch.num_rows
 
 
+def test_stats_into_a_closed_pipe_ends_quietly(dataset):
+    """`packshard stats URL | head`: the reader leaves early; no traceback."""
+    url, _batch, _manifest = dataset
+    code = "import sys; from packshard.pipeline.cli import main; sys.exit(main(sys.argv[1:]))"
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, "stats", url, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    p.stdout.close()  # before it writes: every write meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
 def test_stats_text_prints_the_json_values(dataset, capsys):
     """One rounding: every number of the text is the JSON's value, in the same digits."""
     url, _, _ = dataset
