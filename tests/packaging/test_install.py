@@ -79,8 +79,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_holds_one_top_level_package(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as z:
-        tops = {name.split("/")[0] for name in z.namelist()}
+        names = z.namelist()
+    tops = {name.split("/")[0] for name in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"packshard"}, tops
+    # Apache-2.0 asks for its text to travel with the code
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
 
 CHECK_BESIDE_HF = """
