@@ -85,16 +85,30 @@ class Manifest:
     totals: dict[str, Any]
 
 
-def _int(obj: Any, key: str, where: str, *, low: int | None = 0, optional: bool = False) -> Any:
-    """obj[key] as an int >= low (bool is not an int here); None when optional and absent."""
+INT32_MAX = 2**31 - 1  # row lengths, offsets and token ids are int32 in format v1
+INT64_MAX = 2**63 - 1  # counts and sizes: readers compute with them in int64
+
+
+def _int(
+    obj: Any,
+    key: str,
+    where: str,
+    *,
+    low: int = 0,
+    high: int = INT64_MAX,
+    optional: bool = False,
+) -> Any:
+    """obj[key] as an int in [low, high] (bool is not an int here); None when optional and
+    absent. The upper bound keeps a number JSON allows (10**30) from reaching numpy."""
     if key not in obj:
         if optional:
             return None
         raise FormatError(f"{where}: missing key {key!r}")
     value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        need = "an int" if low is None else f"an int >= {low}"
-        raise FormatError(f"{where}: {key} must be {need}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise FormatError(f"{where}: {key} must be an int >= {low}, got {value!r}")
+    if value > high:
+        raise FormatError(f"{where}: {key} must be an int <= {high:,}, got {value!r}")
     return value
 
 
@@ -142,11 +156,11 @@ def parse_config(manifest: dict[str, Any], where: str) -> dict[str, Any]:
     """manifest['config'] with the fields readers rely on checked (the writer checks it too)."""
     config = _object(manifest, "config", where)
     here = f"{where}: config"
-    _int(config, "seq_len", here, low=1)
-    _int(config, "pad_multiple", here, low=1)
-    _int(config, "pad_token_id", here, low=None)
+    _int(config, "seq_len", here, low=1, high=INT32_MAX)
+    _int(config, "pad_multiple", here, low=1, high=INT32_MAX)
+    _int(config, "pad_token_id", here, high=INT32_MAX)  # a token id, as the rows' ids
     if config.get("cp") is not None:
-        _int(config, "cp", here, low=1)
+        _int(config, "cp", here, low=1, high=INT32_MAX)
     tokenizer = config.get("tokenizer")
     if tokenizer is not None and not (
         isinstance(tokenizer, dict) and isinstance(tokenizer.get("name", ""), str | None)
@@ -316,8 +330,11 @@ def _check_histogram(manifest: Manifest, num_tokens: np.ndarray, where: str) -> 
         isinstance(edges, list) and isinstance(counts, list) and len(edges) == len(counts) + 1 >= 2
     ):
         raise FormatError(f"{here}: edges and counts must be lists, one more edge than counts")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in edges + counts):
-        raise FormatError(f"{here}: edges and counts must be ints")
+    if not all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT64_MAX
+        for x in edges + counts
+    ):
+        raise FormatError(f"{here}: edges and counts must be ints in [0, {INT64_MAX:,}]")
     e = np.asarray(edges, dtype=np.int64)
     seq_len = manifest.config["seq_len"]
     if not np.array_equal(e, np.linspace(0, seq_len, e.size).round()):

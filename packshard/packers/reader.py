@@ -118,7 +118,8 @@ class ShardDataset:
             raise StorageError(f"{shown}: cannot read {MANIFEST_NAME} ({describe_error(e)})") from e
         try:
             manifest = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # bad JSON or text; an int of 4300+ digits;
+            # arrays nested past the recursion limit
             raise FormatError(f"{shown}/{MANIFEST_NAME}: not valid JSON ({e})") from None
         return cls(url, manifest, fs, root)
 

@@ -155,6 +155,10 @@ class LocalShard(_Shard):
             raise FormatError(f"{where}: missing (the manifest names it)") from None
         except OSError as e:
             raise FormatError(f"{where}: cannot be opened ({describe_error(e)})") from None
+        size = self.file.size()
+        if size != entry.bytes:  # another file in its place (what row checksums would catch)
+            self.file.close()
+            raise FormatError(f"{where}: {size} bytes, the manifest says {entry.bytes}")
         try:
             self.reader = pa.ipc.open_file(self.file)
         except (pa.ArrowException, OSError) as e:

@@ -49,6 +49,19 @@ def _read_all(url: str) -> None:
             ds.read_rows_arrays(s, np.arange(entry.rows))
 
 
+def test_a_shard_file_of_another_size_is_refused_on_open(tmp_path):
+    """Two shards swapped: with no row checksums to catch it (format v1 allows an index
+    without them), only the size the manifest records tells a local reader."""
+    url, _ = _make(tmp_path / "ds")
+    a, b = (tmp_path / "ds" / "shards" / f"part-0000{i}.arrow" for i in (0, 1))
+    assert a.stat().st_size != b.stat().st_size
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    with pytest.raises(FormatError, match=rf"part-00000\.arrow: {len(data_b)} bytes, the manifest says {len(data_a)}"):  # fmt: skip
+        _read_all(url)
+
+
 def test_rows_per_batch_disagreeing_with_the_shard(tmp_path):
     url, _ = _make(tmp_path / "ds")
     _edit(url, lambda m: m["shards"][1].update(rows_per_batch=4))  # 10 rows: 4 batches, not 3
@@ -123,6 +136,20 @@ def test_footer_byte_flip(tmp_path):
         (lambda m: m["index"].update(rows=3), r"index: rows is 3"),
         (lambda m: m["shards"][1].update(path=m["shards"][0]["path"]), r"shards name a file twice"),
         (lambda m: m.update(shards={}), r"shards must be a list"),
+        # numbers JSON allows but numpy cannot hold (OverflowError deep in a reader before)
+        (lambda m: m["config"].update(seq_len=10**30), r"seq_len must be an int <= 2,147,483,647"),
+        (lambda m: m["config"].update(pad_multiple=2**63), r"pad_multiple must be an int <= "),
+        (
+            lambda m: m["shards"][0].update(rows_per_batch=2**63),
+            r"rows_per_batch must be an int <= ",
+        ),
+        # the filler rows' token: a negative or past-int32 id reached the trainer
+        (lambda m: m["config"].update(pad_token_id=-5), r"pad_token_id must be an int >= 0"),
+        (lambda m: m["config"].update(pad_token_id=2**31), r"pad_token_id must be an int <= "),
+        (
+            lambda m: m["histogram"]["edges"].__setitem__(1, 2**63),
+            r"edges and counts must be ints in",
+        ),
     ],
 )
 def test_manifest_values_are_checked(tmp_path, change, match):
@@ -131,6 +158,20 @@ def test_manifest_values_are_checked(tmp_path, change, match):
     with pytest.raises(FormatError, match=match) as e:
         ShardDataset.open(url).index  # noqa: B018
     assert "manifest.json" in str(e.value) or "index.arrow" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,  # past the parser's recursion limit
+        '{"format": "packshard", "version": ' + "1" * 5000 + "}",  # past int()'s digit limit
+    ],
+)
+def test_a_manifest_python_cannot_parse_is_a_format_error(tmp_path, text):
+    url, _ = _make(tmp_path / "ds")
+    (tmp_path / "ds" / "manifest.json").write_text(text)
+    with pytest.raises(FormatError, match=r"manifest\.json: not valid JSON"):
+        ShardDataset.open(url)
 
 
 def test_a_config_breaking_the_shape_rules_fails_verify_but_still_reads(tmp_path):
