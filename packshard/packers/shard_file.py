@@ -463,6 +463,23 @@ class RemoteShard(_Shard):
         """Nothing stays open between requests."""
 
 
+def _check_layouts(data: bytes, where: str) -> None:
+    """Every record batch's message as the range reader parses it: a body Arrow reads but a
+    remote reader cannot address (compressed, which shard format v1 rules out) fails here,
+    not mid-training."""
+    size = len(data)
+    try:
+        n = ipc.footer_length(data[-ipc.TAIL :], size)
+        for b, k in enumerate(ipc.read_footer(data[size - ipc.TAIL - n : size - ipc.TAIL], size)):
+            try:
+                meta = ipc.message_flatbuffer(data[k.offset : k.body_offset], k.metadata_length)
+                ipc.parse_batch(meta, k.body_length)
+            except ipc.IpcLayoutError as e:
+                raise FormatError(f"{where}: record batch {b}: {e}") from None
+    except ipc.IpcLayoutError as e:
+        raise FormatError(f"{where}: {e}") from None
+
+
 def batches_from_bytes(data: bytes, entry: ShardEntry, where: str) -> list[pa.RecordBatch]:
     """Every record batch of a whole shard held in memory (`packshard verify`), each fully
     validated by Arrow (offsets inside their values, no nulls) and its length checked against
@@ -478,6 +495,7 @@ def batches_from_bytes(data: bytes, entry: ShardEntry, where: str) -> list[pa.Re
                 raise FormatError(f"{where}: record batch {b} holds nulls")
     except (pa.ArrowException, OSError) as e:
         raise FormatError(f"{where}: not a readable Arrow IPC file ({describe_error(e)})") from None
+    _check_layouts(data, where)
     starts = _expected_starts(entry, len(batches), where)
     if starts is None:
         _starts_from_lengths([b.num_rows for b in batches], entry, where)

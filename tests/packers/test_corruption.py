@@ -62,6 +62,25 @@ def test_a_shard_file_of_another_size_is_refused_on_open(tmp_path):
         _read_all(url)
 
 
+def test_verify_refuses_a_shard_with_compressed_bodies(tmp_path):
+    """Arrow reads it locally, but a range reader cannot address its buffers: the remote stream
+    would fail mid-training. Format v1 shards are uncompressed; verify says so up front."""
+    import xxhash
+
+    from packshard.pipeline.verify import verify_dataset
+
+    url, _ = _make(tmp_path / "ds")
+    path = tmp_path / "ds" / "shards" / "part-00001.arrow"
+    table = pa.ipc.open_file(str(path)).read_all()
+    options = pa.ipc.IpcWriteOptions(compression="lz4")
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema, options=options) as w:
+        w.write_table(table)
+    data = path.read_bytes()
+    _edit(url, lambda m: m["shards"][1].update(bytes=len(data), checksum=f"xxh3_128:{xxhash.xxh3_128(data).hexdigest()}"))  # fmt: skip
+    problems = verify_dataset(url)
+    assert any("part-00001.arrow: record batch 0: the record batch body is compressed" in p for p in problems), problems  # fmt: skip
+
+
 def test_rows_per_batch_disagreeing_with_the_shard(tmp_path):
     url, _ = _make(tmp_path / "ds")
     _edit(url, lambda m: m["shards"][1].update(rows_per_batch=4))  # 10 rows: 4 batches, not 3
