@@ -35,10 +35,11 @@ scales are unchanged).
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ from packshard.kernels.prepare import (
     PreparedInputs,
     _finite_flags,
     _raise_unless_finite,
+    check_triton_runs_on,
     prepare_inputs,
 )
 from packshard.kernels.topk import (
@@ -91,6 +93,30 @@ class IndexerConfig:
 FIXED_CONFIG = IndexerConfig()
 
 
+TRITON_MAX_NUMEL = 1 << 20  # the most elements a Triton block (tl.arange, a tensor) may hold
+
+
+def _checked_topk(topk: Any, config: IndexerConfig) -> int:
+    """`topk` as an int in [1, the config's limit] (numpy and 0-d torch integers accepted);
+    ValueError / TypeError naming it otherwise."""
+    try:
+        k = operator.index(topk)
+    except TypeError:
+        raise TypeError(f"topk must be an int, got {type(topk).__name__} {topk!r}") from None
+    if k < 1:
+        raise ValueError(f"topk={k}: must be >= 1")
+    _, cap = config.topk.sizes(k)
+    if cap > TRITON_MAX_NUMEL:
+        most = 1  # a power of two: every topk up to it has the same staging width
+        while config.topk.sizes(2 * most)[1] <= TRITON_MAX_NUMEL:
+            most *= 2
+        raise ValueError(
+            f"topk={k}: at most {most:,} (the select kernel's candidate buffer of {cap:,} "
+            f"slots a row passes Triton's {TRITON_MAX_NUMEL:,} per block)"
+        )
+    return k
+
+
 def indexer_topk_prepared(
     p: PreparedInputs,
     topk: int,
@@ -113,8 +139,7 @@ def indexer_topk_prepared(
     concurrently and add up to more than the wall time).
     `launch` replaces the logits launcher (benchmarks/indexer_peers.py passes its autotuned one).
     """
-    if topk < 1:
-        raise ValueError(f"topk={topk}: must be >= 1")
+    topk = _checked_topk(topk, config)
     dev = p.q8.device
     streams = _Streams.create(dev, config.overlap)
     out = torch.empty((p.s_q, topk), dtype=torch.int32, device=dev)
@@ -309,8 +334,8 @@ def topk_from_logits(
     for name, x in (("ks", ks), ("ke", ke)):
         if tuple(x.shape) != (s_q,) or x.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 [S_q={s_q}], got {x.dtype} {tuple(x.shape)}")
-    if topk < 1:
-        raise ValueError(f"topk={topk}: must be >= 1")
+    topk = _checked_topk(topk, config)
+    check_triton_runs_on(logits.device, "logits")
     if bool((ks < 0).any()) or bool((ke > s_k).any()):
         raise ValueError(f"[ks, ke) must lie inside the keys [0, {s_k})")
     logits = logits if logits.stride(1) == 1 else logits.contiguous()

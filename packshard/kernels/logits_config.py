@@ -138,7 +138,10 @@ class LogitsConfig:
     def block_q(self, heads: int) -> int:
         """Queries per query block (`groups(heads)` blocks a program) for `heads` (padded) heads."""
         if heads > self.block_n:
-            raise ValueError(f"heads={heads} exceeds LogitsConfig.block_n={self.block_n}")
+            raise ValueError(
+                f"{heads} heads (H padded to a power of two) exceed LogitsConfig.block_n="
+                f"{self.block_n}: the logits kernel takes at most {self.block_n} heads"
+            )
         return self.block_n // heads
 
     def groups(self, heads: int) -> int:

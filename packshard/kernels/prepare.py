@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from packshard.kernels._triton_env import interpreting
 from packshard.kernels.quant import quantize_fp8
 
 KEY_PAD = 128  # keys padded to a multiple of this: every key tile (block_k <= 128) is whole
@@ -58,6 +59,8 @@ def _check_inputs(
     if q.dim() != 3:
         raise ValueError(f"q must be [S_q, H, D], got shape {tuple(q.shape)}")
     s_q, h, d = q.shape
+    if d < 1 or h < 1:
+        raise ValueError(f"q must have H >= 1 heads of D >= 1 dims, got shape {tuple(q.shape)}")
     if k.dim() != 2 or k.shape[1] != d:
         raise ValueError(f"k must be [S_k, D={d}], got shape {tuple(k.shape)}")
     if tuple(w.shape) != (s_q, h):
@@ -76,6 +79,16 @@ def _check_inputs(
         raise ValueError(
             f"ks and ke must both be on q's device ({dev}) or both on the CPU, got "
             f"{ks.device} and {ke.device}"
+        )
+    check_triton_runs_on(dev, "q, k, w")
+
+
+def check_triton_runs_on(dev: torch.device, what: str) -> None:
+    """ValueError unless Triton can run kernels on `dev` (a GPU, or the CPU interpreter)."""
+    if dev.type == "cpu" and not interpreting():
+        raise ValueError(
+            f"{what} on the CPU: the Triton kernels need a GPU, or TRITON_INTERPRET=1 set "
+            "before triton is imported (the interpreter, for small shapes)"
         )
 
 

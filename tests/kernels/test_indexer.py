@@ -67,6 +67,32 @@ def test_bad_shapes_and_ranges_raise(device: str) -> None:
         fp8_indexer_topk(q, k, w, meta, ke, 8)
     with pytest.raises(ValueError, match=r"q, k, w must share one device"):
         fp8_indexer_topk(q, k.to("meta"), w, ks, ke, 8)
+    with pytest.raises(ValueError, match=r"D >= 1 dims"):
+        fp8_indexer_topk(q[..., :0], k[:, :0], w, ks, ke, 8)
+    many = q[:, :1].expand(-1, 129, -1)
+    with pytest.raises(ValueError, match=r"the logits kernel takes at most 128 heads"):
+        fp8_indexer_topk(many, k, w[:, :1].expand(-1, 129), ks, ke, 8)
+
+
+def test_topk_is_an_integer_within_the_kernels_limit(device: str, monkeypatch) -> None:
+    import numpy as np
+
+    q, k, w, ks, ke = _case(device)
+    want = fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL)
+    for k8 in (np.int64(8), torch.tensor(8)):  # what min() over numpy values gives
+        assert torch.equal(fp8_indexer_topk(q, k, w, ks, ke, k8, config=SMALL), want)
+    with pytest.raises(TypeError, match="topk must be an int, got float"):
+        fp8_indexer_topk(q, k, w, ks, ke, 8.0)
+    with pytest.raises(ValueError, match=r"topk=524289: at most 524,288"):
+        fp8_indexer_topk(q, k, w, ks, ke, 2**19 + 1)
+    if device == "cpu":  # without the interpreter Triton finds no driver; say what to do
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            fp8_indexer_topk(q, k, w, ks, ke, 8)
+        from packshard.kernels.fp8_indexer import topk_from_logits
+
+        with pytest.raises(ValueError, match=r"logits on the CPU: .*TRITON_INTERPRET=1"):
+            topk_from_logits(torch.zeros(len(ks), 8), ks.clamp(max=8), ke.clamp(max=8), 2)
 
 
 def _check_plan(chunks, ks, ke, extra: int, bound: int, align: int) -> None:
