@@ -154,6 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 from packshard.pipeline.pack import main as pack_main
             except MissingExtraError as e:  # the core install: stats and verify only
+                if {"-h", "--help"} & set(argv[1:]):  # the flags need none of the extra
+                    from packshard.pipeline.config import build_parser as pack_parser
+
+                    pack_parser().print_help()
+                    print(f"\nnote: {e}")
+                    return 0
                 print(f"packshard pack: error: {e}", file=sys.stderr)
                 return 1
     except KeyboardInterrupt:  # Ctrl-C while the libraries import (transformers, Ray: ~1-2 s)

@@ -178,3 +178,6 @@ def test_core_and_train_extras_stream_a_dataset(wheel: Path, tmp_path: Path) -> 
     proc = subprocess.run([str(bin_dir / "packshard"), "pack", "--demo", "--output",
                            str(tmp_path / "out")], capture_output=True, text=True, env=env)  # fmt: skip
     assert proc.returncode != 0 and "packshard[pack]" in proc.stdout + proc.stderr, proc
+    # its flags are readable there all the same
+    helped = _run([str(bin_dir / "packshard"), "pack", "--help"], env=env)
+    assert "--output URL" in helped and "packshard[pack]" in helped, helped
