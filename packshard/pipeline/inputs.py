@@ -282,9 +282,12 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         splits = _saved_json(fs, f"{path}/dataset_dict.json", spec).get("splits", [])
         if not isinstance(splits, list):
             raise InputError(f"input {spec!r}: dataset_dict.json's splits is not a list")
+        if split not in splits:  # the hub's synonyms (val, dev, eval, ...) name a split it has
+            split = next((x for x in splits if SPLIT_WORDS.get(split.lower()) == x), split)
         if split not in splits:
             raise InputError(
-                f"input {spec!r} is a DatasetDict without split {split!r} (it has {splits}); pass --split"
+                f"input {spec!r} is a DatasetDict without split {split!r} (it has {splits}); "
+                "pass --split with one of them"
             )
         path = f"{path}/{split}"
         if len(splits) > 1:

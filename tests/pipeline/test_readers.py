@@ -368,6 +368,7 @@ def test_saved_datasets_say_which_split_they_read(tmp_path: Path, caplog):
     with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
         assert len(_all(str(tmp_path / "dd"))) == 3
         assert "a DatasetDict: read its split train, not test (--split picks)" in caplog.text
+        assert len(_all(str(tmp_path / "dd"), split="eval")) == 1  # the hub's synonym of test
         caplog.clear()
         assert len(_all(str(tmp_path / "plain"), split="test")) == 3
         assert "--split test does not apply (a saved Dataset, not a DatasetDict)" in caplog.text
