@@ -277,13 +277,19 @@ def _saved_json(fs: fsspec.AbstractFileSystem, path: str, spec: str) -> dict[str
     return doc
 
 
-def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) -> list[InputFile]:
+def _directory(
+    fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str, *, hub: bool = False
+) -> list[InputFile]:
+    """A directory's data files. With `hub` (a hub dataset), as the hub reads a repository:
+    files that name no split are left out once any does, and files of no type packshard reads
+    (README.md, LICENSE) go unmentioned."""
     if fs.isfile(f"{path}/dataset_dict.json"):
         splits = _saved_json(fs, f"{path}/dataset_dict.json", spec).get("splits", [])
         if not isinstance(splits, list):
             raise InputError(f"input {spec!r}: dataset_dict.json's splits is not a list")
         if split not in splits:  # the hub's synonyms (val, dev, eval, ...) name a split it has
-            split = next((x for x in splits if SPLIT_WORDS.get(split.lower()) == x), split)
+            same = SPLIT_WORDS.get(split.lower(), split)
+            split = next((x for x in splits if SPLIT_WORDS.get(str(x).lower(), x) == same), split)
         if split not in splits:
             raise InputError(
                 f"input {spec!r} is a DatasetDict without split {split!r} (it has {splits}); "
@@ -312,15 +318,15 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
         if not names:
             raise InputError(f"input {spec!r}: state.json lists no data files")
         return [_file(fs, f"{path}/{n}", spec, strict=True) for n in names]
-    found = sorted(fs.find(path))
+    found = sorted(p for p in fs.find(path) if not hub or _format_of(p))
     shown = {p: posixpath.relpath(p, path) for p in found}
-    _refuse_saved_datasets_inside(spec, [shown[p] for p in found])
+    _refuse_saved_datasets_inside(spec, [shown[p] for p in found if not _hidden(shown[p])])
     readable = [p for p in found if _format_of(p) and not _hidden(shown[p])]
     splits = {p: split_in_name(shown[p]) for p in readable}
     present = sorted({s for s in splits.values() if s is not None})
     # a split layout only when every data file names its split (the hub's layout): a file of
     # other data whose name happens to hold a split word is no reason to drop the others
-    if not present or None in splits.values():
+    if not present or (None in splits.values() and not hub):
         _split_does_not_apply(spec, split, "its file names do not all name a split")
         return _read_and_warn(fs, spec, found, shown, skip_hidden=True)
     wanted = SPLIT_WORDS.get(split.lower(), split)
@@ -329,7 +335,7 @@ def _directory(fs: fsspec.AbstractFileSystem, path: str, spec: str, split: str) 
             f"input {spec!r} holds the splits {present} (by its file names), not {split!r}; "
             "pass --split"
         )
-    other = {p: f"split {s}" for p, s in splits.items() if s != wanted}
+    other = {p: f"split {s}" if s else "names no split" for p, s in splits.items() if s != wanted}
     return _read_and_warn(fs, spec, found, shown, skip_hidden=True, left_out=other)
 
 
@@ -368,19 +374,22 @@ def _split_does_not_apply(spec: str, split: str, why: str) -> None:
 
 def split_in_name(rel: str) -> str | None:
     """The split a data file's path (relative to its directory) names, the hub's way: a
-    hub shard name, whatever its split is called (``train_sft-00000-of-00003-5f4c8e2a.parquet``:
-    ``train_sft``), a directory named for a split (``train/part-0.jsonl``), or a file name that
-    is a split, alone or with a shard number (``test.jsonl``, ``train-00000-of-00002.parquet``,
-    ``val_3.jsonl``); else None (``unit_test_writing.jsonl`` names none)."""
+    directory named for a split (``train/part-00000-of-00002.jsonl``), a hub shard name in
+    ``data/``, whatever its split is called (``data/train_sft-00000-of-00003-5f4c8e2a.parquet``:
+    ``train_sft``), or a file name that is a split, alone or with a shard number and hash
+    (``test.jsonl``, ``train-00000-of-00002.parquet``, ``val_3.jsonl``); else None
+    (``unit_test_writing.jsonl``, ``part-00000-of-00004.jsonl`` name none)."""
     *dirs, name = rel.lower().split("/")
-    stem = name.split(".", 1)[0]
-    hub = _HUB_SHARD.fullmatch(stem)
-    if hub:
-        return SPLIT_WORDS.get(hub["split"], hub["split"])
-    for word in (*dirs, _SHARD_SUFFIX.sub("", stem)):
+    for word in dirs:
         if word in SPLIT_WORDS:
             return SPLIT_WORDS[word]
-    return None
+    stem = name.split(".", 1)[0]
+    hub = _HUB_SHARD.fullmatch(stem)
+    # any name is a split only where the hub puts split shards, data/ (part-00000-of-00004
+    # elsewhere is a writer's shard name, not a split)
+    if hub and (hub["split"] in SPLIT_WORDS or dirs == ["data"]):
+        return SPLIT_WORDS.get(hub["split"], hub["split"])
+    return SPLIT_WORDS.get(_SHARD_SUFFIX.sub("", stem))
 
 
 _SHARD_SUFFIX = re.compile(r"([-_]\d+)*(-of-\d+)?$")
@@ -448,7 +457,7 @@ def _hub_dataset(
     url = f"hf://datasets/{name}"
     try:
         fs, path = url_to_fs(url, storage_options)
-        return _directory(fs, path, url, split)  # the splits as a local copy of it has them
+        return _directory(fs, path, url, split, hub=True)
     except InputError:
         raise
     except storage_errors_with(ImportError, ValueError) as e:

@@ -358,6 +358,12 @@ def test_a_folder_of_saved_datasets_is_refused_naming_them(tmp_path: Path):
     with pytest.raises(InputError, match=r"save_to_disk datasets \(dd/, plain/\); pass each"):
         resolve_inputs([str(tmp_path / "all")])
     assert len(_all(str(tmp_path / "all" / "dd"))) == 3  # each on its own reads as before
+    # a hidden folder's (.checkpoints/, _temporary/) is skipped like the rest of it
+    hidden = tmp_path / "hidden"
+    (hidden / ".checkpoints" / "x").mkdir(parents=True)
+    (hidden / ".checkpoints" / "x" / "state.json").write_text("{}")
+    (hidden / "data.jsonl").write_text('{"text": "a"}\n')
+    assert len(_all(str(hidden))) == 1
 
 
 def test_saved_datasets_say_which_split_they_read(tmp_path: Path, caplog):
@@ -369,6 +375,9 @@ def test_saved_datasets_say_which_split_they_read(tmp_path: Path, caplog):
         assert len(_all(str(tmp_path / "dd"))) == 3
         assert "a DatasetDict: read its split train, not test (--split picks)" in caplog.text
         assert len(_all(str(tmp_path / "dd"), split="eval")) == 1  # the hub's synonym of test
+        dev = datasets.DatasetDict({"train": one, "dev": one.select([0, 1])})
+        dev.save_to_disk(str(tmp_path / "dv"))
+        assert len(_all(str(tmp_path / "dv"), split="validation")) == 2  # and of its name
         caplog.clear()
         assert len(_all(str(tmp_path / "plain"), split="test")) == 3
         assert "--split test does not apply (a saved Dataset, not a DatasetDict)" in caplog.text
@@ -473,15 +482,50 @@ def test_hub_shard_names_name_their_split_whatever_it_is(tmp_path: Path, caplog,
     with pytest.raises(InputError, match=r"\['test_sft', 'train_gen', 'train_sft'\].*not 'train'"):
         resolve_inputs([str(tmp_path / "sft")])
     # a hub name lists the same way (its filesystem stood in for by the local copy)
-    monkeypatch.setattr(
-        inputs, "url_to_fs", lambda url, so=None: (fsspec.filesystem("file"), str(tmp_path / "sft"))
-    )
+    real = inputs.url_to_fs
+    monkeypatch.setattr(inputs, "url_to_fs", lambda url, so=None: (fsspec.filesystem("file"), str(tmp_path / "sft")) if url.startswith("hf://") else real(url, so))  # fmt: skip
     assert [
         posixpath.basename(f.url) for f in resolve_inputs(["org/ultra"], split="train_sft")
     ] == [
         "train_sft-00000-of-00002-aa01.parquet",
         "train_sft-00001-of-00002-bb02.parquet",
     ]
+
+
+def test_writer_shard_names_are_no_split(tmp_path: Path, caplog, monkeypatch):
+    """part-00000-of-00004 (Spark's, a writer's) names no split: a flat folder of them is read
+    whole, and in train/ and test/ folders the folder names the split."""
+    import fsspec
+
+    from packshard.pipeline import inputs
+
+    def names(spec: str, **kw) -> list[str]:
+        return [posixpath.relpath(f.url, spec) for f in resolve_inputs([spec], **kw)]
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(2):
+        (flat / f"part-0000{i}-of-00002.jsonl").write_text('{"text": "x"}\n')
+    assert len(names(str(flat))) == 2
+    split = tmp_path / "split"
+    for s in ("train", "test"):
+        (split / s).mkdir(parents=True)
+        for i in range(2):
+            (split / s / f"part-0000{i}-of-00002.jsonl").write_text('{"text": "x"}\n')
+    assert names(str(split)) == ["train/part-00000-of-00002.jsonl", "train/part-00001-of-00002.jsonl"]  # fmt: skip
+    # a hub repository: files naming no split are left out once some do, as the hub reads it;
+    # its README goes unmentioned
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for n in ("train", "test", "few_shot_examples"):
+        (hub / f"{n}.jsonl").write_text('{"text": "x"}\n')
+    (hub / "README.md").write_text("# card")
+    real = inputs.url_to_fs
+    monkeypatch.setattr(inputs, "url_to_fs", lambda url, so=None: (fsspec.filesystem("file"), str(hub)) if url.startswith("hf://") else real(url, so))  # fmt: skip
+    with caplog.at_level("WARNING", logger="packshard.pipeline.inputs"):
+        got = [posixpath.basename(f.url) for f in resolve_inputs(["org/name"])]
+    assert got == ["train.jsonl"]
+    assert "few_shot_examples.jsonl (names no split)" in caplog.text and "README" not in caplog.text
 
 
 def test_demo_input_is_generated_where_it_is_read():
