@@ -152,10 +152,18 @@ def source_fields(columns: Mapping[str, str]) -> list[str]:
     return sorted(fields if "messages" in columns else fields | {SHAREGPT_FIELD})
 
 
-def _with_sharegpt(columns: Mapping[str, str], present: Callable[[str], bool]) -> Mapping[str, str]:
+def _with_sharegpt(
+    columns: Mapping[str, str], present: Callable[[str], bool], kind: str
+) -> Mapping[str, str]:
     """`columns`, reading messages from ShareGPT's ``conversations`` where the record (or
-    schema) has that and no ``messages``, and --columns maps no messages field."""
+    schema) has that and no ``messages``, --columns maps no messages field, and the record is
+    no other kind (`--kind messages`, or under ``auto`` no other kind's fields are there: a
+    text or prompt/completion record that also carries conversations stays what it was)."""
     if "messages" in columns or present("messages") or not present(SHAREGPT_FIELD):
+        return columns
+    if kind not in ("auto", "messages") or (
+        kind == "auto" and detect_kind(lambda f: present(columns.get(f, f))) is not None
+    ):
         return columns
     return {**columns, "messages": SHAREGPT_FIELD}
 
@@ -199,7 +207,7 @@ def column_problem(
     """Why records with these columns (a parquet / Arrow schema) cannot be samples of `kind`,
     or None when they can (values are checked per record later)."""
     present = set(names)
-    columns = _with_sharegpt(columns or {}, present.__contains__)
+    columns = _with_sharegpt(columns or {}, present.__contains__, kind)
 
     def has(field: str) -> bool:
         return columns.get(field, field) in present
@@ -232,7 +240,7 @@ def to_sample(
         raise BadRecord(
             "not_an_object", f"a record must be a JSON object, got {type(record).__name__}"
         )
-    columns = _with_sharegpt(columns or {}, lambda n: record.get(n) is not None)
+    columns = _with_sharegpt(columns or {}, lambda n: record.get(n) is not None, kind)
 
     def get(field: str) -> Any:
         return record.get(columns.get(field, field))

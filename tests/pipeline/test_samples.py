@@ -194,6 +194,15 @@ def test_sharegpt_conversations_read_as_messages():
     assert to_sample(rec, columns={"messages": "conversations"}).messages == s.messages
     both = {**CHAT, "conversations": [{"from": "human", "value": "other"}]}
     assert to_sample(both).messages == CHAT["messages"]
+    # a record of another kind that also carries conversations stays that kind
+    for other, cols, kind in [
+        ({"text": "hello"}, {}, Text),
+        ({"body": "some text"}, {"text": "body"}, Text),
+        ({"question": "q", "answer": "a"}, {"prompt": "question", "completion": "answer"}, Chat),
+        ({"input_ids": [1, 2, 3]}, {}, Tokens),
+    ]:
+        got = to_sample({**other, "conversations": 3}, columns=cols)
+        assert isinstance(got, kind) and "conversations" not in str(got), (other, got)
     bad = {
         "conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"}]
     }
