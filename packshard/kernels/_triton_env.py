@@ -12,4 +12,11 @@ import os
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the variable is on as Triton reads it (1, true, yes, on, y; any case)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "y",
+    )

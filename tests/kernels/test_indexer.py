@@ -86,6 +86,8 @@ def test_topk_is_an_integer_within_the_kernels_limit(device: str, monkeypatch) -
     with pytest.raises(ValueError, match=r"topk=524289: at most 524,288"):
         fp8_indexer_topk(q, k, w, ks, ke, 2**19 + 1)
     if device == "cpu":  # without the interpreter Triton finds no driver; say what to do
+        monkeypatch.setenv("TRITON_INTERPRET", "true")  # on, as Triton reads it
+        assert torch.equal(fp8_indexer_topk(q, k, w, ks, ke, 8, config=SMALL), want)
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
             fp8_indexer_topk(q, k, w, ks, ke, 8)
