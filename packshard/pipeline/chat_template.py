@@ -203,7 +203,8 @@ class ChatRenderer:
                 None,
             )
             if reasoning is not None:  # the record's own keys first: errors name its key
-                m = {**m, "thinking": reasoning, "reasoning_content": reasoning}
+                m = {**m, "reasoning_content": reasoning}
+                m.setdefault("thinking", reasoning)  # a record's own thinking stays its own
             out.append(m)
         return out
 

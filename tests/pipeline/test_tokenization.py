@@ -403,6 +403,10 @@ def test_a_terminator_anywhere_in_a_trained_message_is_reported(shared_data: Pat
     assert got.detail.startswith(
         "messages[1].tool_calls[0].function.arguments.'a<|im_end|>' (a key)"
     )
+    from packshard.pipeline.chat_template import ChatRenderer
+
+    own = {"role": "assistant", "content": "a", "thinking": "T", "reasoning_content": "R"}
+    assert ChatRenderer.prepare([own])[0]["thinking"] == "T"  # a record's own, as it wrote it
     # the reasoning is named by the record's own key, not by the aliases rendering adds
     for key in ("reasoning_content", "reasoning", "thinking"):
         chat = Chat(
