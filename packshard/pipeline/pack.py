@@ -130,19 +130,24 @@ def start_ray(cfg: PackConfig) -> bool:
         ray.init(logging_level=logging.WARNING)
         return True
     # Workers import `packshard` from a checkout too: the local Ray's processes inherit this
-    # PYTHONPATH when they start; the caller's environment is given back afterwards (a process
-    # that packs in-process and starts other Pythons later must not pass them our path).
+    # PYTHONPATH (and start_local_ray's Ray settings) when they start; the caller's environment
+    # is given back afterwards (a process that packs in-process and starts other Pythons later
+    # must not pass them our path).
     root = str(Path(__file__).resolve().parents[2])
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, before) if p)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *LOCAL_RAY_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, saved["PYTHONPATH"]) if p)
     try:
         start_local_ray(cfg.num_cpus)
     finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return True
+
+
+LOCAL_RAY_ENV = {"RAY_agent_register_timeout_ms": "120000"}  # see start_local_ray
 
 
 def start_local_ray(num_cpus: int | None) -> None:
@@ -155,7 +160,8 @@ def start_local_ray(num_cpus: int | None) -> None:
 
     # The raylet waits for its Python agents' ports (15 s by default) and aborts if they are late,
     # which happens on a busy machine; give them two minutes (the user's setting wins).
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
     before = _descendants()
     try:
         for attempt in range(1, RAY_START_ATTEMPTS + 1):
