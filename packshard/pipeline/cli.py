@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_left() -> int:
+    """After a BrokenPipeError on stdout: nothing more to say, and nothing at exit's flush."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, as a shell tool killed by it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and not argv[0].startswith("-") else ""
@@ -157,8 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if {"-h", "--help"} & set(argv[1:]):  # the flags need none of the extra
                     from packshard.pipeline.config import build_parser as pack_parser
 
-                    pack_parser().print_help()
-                    print(f"\nnote: {e}")
+                    try:
+                        pack_parser().print_help()
+                        print(f"\nnote: {e}")
+                    except BrokenPipeError:
+                        return _reader_left()
                     return 0
                 print(f"packshard pack: error: {e}", file=sys.stderr)
                 return 1
@@ -177,8 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except BrokenPipeError:  # `packshard stats URL | head`: the reader has left
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
-        return 141  # 128 + SIGPIPE, as a shell tool killed by it
+        return _reader_left()
     except (FormatError, FileNotFoundError, MissingExtraError, UrlError) as e:
         print(f"packshard {args.command}: {redact_text(str(e))}", file=sys.stderr)
         return 1

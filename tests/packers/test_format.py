@@ -171,7 +171,9 @@ def test_required_shard_keys_are_the_shard_entry_fields_but_the_optional_one():
     assert {*SHARD_KEYS, "rows_per_batch"} == {f.name for f in fields(ShardEntry)}
 
 
-def test_numpy_dtypes_of_arrow_types_need_no_pandas():
+def test_numpy_dtypes_of_arrow_types():
+    """The mapping itself; that it needs no pandas is tests/packaging's core install, which
+    runs the oldest pyarrow we take (pyarrow < 26 imports pandas in to_pandas_dtype)."""
     from packshard.packers.arrays import numpy_dtype
 
     for t in (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
