@@ -337,6 +337,18 @@ class StreamStateCallback(TrainerCallback):
             "stream": self.dataset.state_after(items),
         }
 
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._restart_clock()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._restart_clock()
+
+    def _restart_clock(self) -> None:
+        """An evaluation or a checkpoint (after the step that ends a window) trains nothing:
+        the next window's time starts after it, or trained tokens/s would count it."""
+        if self.meter is not None:
+            self.meter.start()
+
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:

@@ -115,6 +115,7 @@ def _deepspeed_autotp_size(state: Any) -> int:
 
 
 WRAPPER_FRAMES = 10  # callers of __iter__ looked at for an accelerate wrapper
+EVAL_FRAMES = 20  # ... and for Trainer's evaluation loop
 
 
 class PackedShardDataset(IterableDataset):
@@ -239,7 +240,9 @@ class PackedShardDataset(IterableDataset):
                 "PackedShardDataset runs in a DataLoader worker: each worker would read every row. "
                 "It prefetches in its own thread; use dataloader_num_workers=0"
             )
-        refusal = self._wrapper_refusal(sys._getframe(1))
+        refusal = self._evaluation_refusal(sys._getframe(1)) or self._wrapper_refusal(
+            sys._getframe(1)
+        )
         if refusal is not None:
             raise RuntimeError(refusal)
         self._ensure_topology()
@@ -248,6 +251,34 @@ class PackedShardDataset(IterableDataset):
         self._records.clear()
         self._yielded = self._start_items
         return self._items(self._pass)
+
+    def _evaluation_refusal(self, caller: FrameType | None) -> str | None:
+        """Why Trainer's evaluation loop, if it is among the callers, cannot evaluate on this
+        dataset, else None: an endless one (epochs=None) never ends the loop, and over several
+        processes an epoch's last step is filled with rows without tokens, whose loss is NaN
+        (and accelerate's shard of it would keep part of each rank's rows)."""
+        for _ in range(EVAL_FRAMES):
+            if caller is None:
+                return None
+            trainer = caller.f_locals.get("self")
+            if caller.f_code.co_name in ("evaluation_loop", "prediction_loop") and any(
+                c.__name__ == "Trainer" for c in type(trainer).__mro__
+            ):
+                if self.items_from_start() is None:
+                    return (
+                        "Trainer evaluates on a PackedShardDataset with epochs=None, which never "
+                        "ends: build the eval dataset with epochs=1"
+                    )
+                dp = self._resolve_topology().dp_size
+                if dp > 1:
+                    return (
+                        f"evaluating a PackedShardDataset over {dp} data-"
+                        "parallel ranks is not supported (each rank's last step is filled with "
+                        "rows that hold no tokens, whose loss is NaN): evaluate on one process"
+                    )
+                return None
+            caller = caller.f_back
+        return None
 
     def _wrapper_refusal(self, caller: FrameType | None) -> str | None:
         """Why accelerate's wrapper that is iterating this dataset would lose rows, else None.

@@ -210,6 +210,28 @@ def test_the_callbacks_meter_weighs_rows_with_the_datasets_cost_model(small_data
     assert callback.meter is not None and callback.meter.cost_model is cost
 
 
+@pytest.mark.parametrize("event", ["on_evaluate", "on_save"])
+def test_evaluation_and_saving_are_not_counted_as_training_time(small_dataset: Path, event: str):
+    """trained tokens/s is what loaders are compared by: an evaluation or a checkpoint between
+    two steps must not land in the next step's time."""
+    from packshard.trainer_shim.meter import TrainedTokenMeter
+
+    now = [0.0]
+    ds = PackedShardDataset(str(small_dataset), rows_per_rank=2)
+    callback = StreamStateCallback(ds)
+    callback.meter = TrainedTokenMeter(clock=lambda: now[0])
+    args = SimpleNamespace(
+        n_gpu=1, dataloader_num_workers=0, world_size=1, per_device_train_batch_size=1,
+        gradient_accumulation_steps=2, ignore_data_skip=False,
+    )  # fmt: skip
+    state = SimpleNamespace(global_step=0, max_steps=2)
+    callback.on_train_begin(args, state, None)
+    now[0] = 5.0  # a 5 s evaluation / checkpoint save, after the step that ended at 0
+    getattr(callback, event)(args, state, None)
+    now[0] = 6.0
+    assert callback.meter.step(1).step_time_s == 1.0
+
+
 @pytest.mark.parametrize("parallelism_config", [False, True])
 def test_deepspeed_autotp_ranks_share_a_dp_rank(
     monkeypatch: pytest.MonkeyPatch, parallelism_config: bool
@@ -337,3 +359,38 @@ def test_dispatching_batches_across_processes_is_refused_with_the_fix(small_data
     ):
         next(iter(dl))
     assert ds.items_yielded == 0
+
+
+def test_trainer_evaluates_on_a_finite_dataset_on_one_process(
+    small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An eval set of epochs=None would never end Trainer's evaluation loop; over several
+    ranks its last step holds rows without tokens (NaN loss). Both are refused, naming the fix;
+    epochs=1 on one process evaluates."""
+    from transformers import Trainer, TrainingArguments
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, labels=None, **kw):
+            return CausalLMOutput(loss=self.w * (labels != -100).float().mean())
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_eval_batch_size=1, report_to=[],
+        use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+
+    def evaluate(ds: PackedShardDataset) -> dict:
+        trainer = Trainer(Tiny(), args=args, eval_dataset=ds, data_collator=packed_collator)
+        return trainer.evaluate()
+
+    assert evaluate(PackedShardDataset(str(small_dataset), rows_per_rank=1))["eval_loss"] > 0
+    with pytest.raises(RuntimeError, match="epochs=None, which never ends"):
+        evaluate(PackedShardDataset(str(small_dataset), rows_per_rank=1, epochs=None))
+    ds = PackedShardDataset(str(small_dataset), rows_per_rank=1)
+    monkeypatch.setattr(ds, "_resolve_topology", lambda: topology_for(0, 2))
+    with pytest.raises(RuntimeError, match="over 2 data-parallel ranks is not supported"):
+        evaluate(ds)
