@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _reader_left() -> int:
     """After a BrokenPipeError on stdout: nothing more to say, and nothing at exit's flush."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
     return 141  # 128 + SIGPIPE, as a shell tool killed by it
 
 

@@ -283,7 +283,8 @@ def _directory(
     """A directory's data files. With `hub` (a hub dataset), as the hub reads a repository:
     files that name no split are left out once any does, and files of no type packshard reads
     (README.md, LICENSE) go unmentioned."""
-    if fs.isfile(f"{path}/dataset_dict.json"):
+    saved_dict = fs.isfile(f"{path}/dataset_dict.json")
+    if saved_dict:
         splits = _saved_json(fs, f"{path}/dataset_dict.json", spec).get("splits", [])
         if not isinstance(splits, list):
             raise InputError(f"input {spec!r}: dataset_dict.json's splits is not a list")
@@ -302,11 +303,9 @@ def _directory(
                 "input %s: a DatasetDict: read its split %s, not %s (--split picks)",
                 redact_url(spec), split, others,
             )  # fmt: skip
-    elif fs.isfile(f"{path}/state.json"):
-        _split_does_not_apply(spec, split, "a saved Dataset, not a DatasetDict")
-    if fs.isfile(
-        f"{path}/state.json"
-    ):  # a Hugging Face save_to_disk dataset: its arrow files, in order
+    if fs.isfile(f"{path}/state.json"):  # a Hugging Face save_to_disk dataset: its arrow files
+        if not saved_dict:
+            _split_does_not_apply(spec, split, "a saved Dataset, not a DatasetDict")
         files = _saved_json(fs, f"{path}/state.json", spec).get("_data_files", [])
         if not isinstance(files, list) or not all(
             isinstance(d, dict) and isinstance(d.get("filename"), str) for d in files
