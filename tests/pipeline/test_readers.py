@@ -383,6 +383,23 @@ def test_saved_datasets_say_which_split_they_read(tmp_path: Path, caplog):
         assert "--split test does not apply (a saved Dataset, not a DatasetDict)" in caplog.text
 
 
+def test_feather_v1_is_refused_naming_it(tmp_path: Path):
+    """Feather V1 (magic FEA1) is no Arrow IPC stream: it is named, with the way to convert it,
+    rather than failing as an unreadable stream after Ray starts."""
+    import warnings
+
+    import pyarrow.feather as feather
+
+    with warnings.catch_warnings():  # pyarrow >= 25 warns that it writes a deprecated format
+        warnings.simplefilter("ignore", DeprecationWarning)
+        feather.write_feather(pa.table({"text": ["a b"]}), tmp_path / "v1.feather", version=1)
+    with pytest.raises(InputError, match=r"is a Feather V1 file.*write_feather"):
+        resolve_inputs([str(tmp_path / "v1.feather")])
+    feather.write_feather(pa.table({"text": ["a b"]}), tmp_path / "v2.feather")
+    (f,) = resolve_inputs([str(tmp_path / "v2.feather")])
+    assert count_records(f).records == 1
+
+
 def test_arrows_json_extension_type_is_decoded(tmp_path: Path):
     """🤗 datasets 5 stores values of mixed shape (tool schemas' properties, messages) as
     Arrow's ``arrow.json`` extension type; pyarrow hands them out as JSON text."""
