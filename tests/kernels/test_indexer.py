@@ -112,6 +112,27 @@ def _check_plan(chunks, ks, ke, extra: int, bound: int, align: int) -> None:
     assert logits + max(r1 - r0 for r0, r1, _, _ in chunks) * extra <= bound
 
 
+@pytest.mark.parametrize("value", ["1", "true", "On", "yes", "y", "0", "2", ""])
+def test_interpreting_is_what_the_installed_triton_reads(value: str, monkeypatch) -> None:
+    """The paths that avoid inline PTX follow Triton's own reading of TRITON_INTERPRET (the
+    words it takes for on differ between versions: 3.6 has no yes/y), and a knob set in code
+    without touching the environment."""
+    from triton import knobs
+
+    from packshard.kernels._triton_env import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() == bool(knobs.runtime.interpret)
+    monkeypatch.setattr(knobs, "propagate_env", False)
+    flipped = value not in ("1", "true", "On")
+    knobs.runtime.interpret = flipped  # an override of the environment's value ...
+    try:
+        assert interpreting() == flipped
+    finally:
+        del knobs.runtime.interpret  # ... dropped again: the environment's value rules
+    assert interpreting() == bool(knobs.runtime.interpret)
+
+
 def test_plan_chunks_is_pure_bounded_and_sized_by_key_windows() -> None:
     ks, ke = packed_ranges([500, 300, 224])
     ks, ke = ks.tolist(), ke.tolist()
