@@ -421,6 +421,22 @@ class ShardDataset:
                 )
         return problems
 
+    def open_shard_file(self, shard: int, path: str) -> None:
+        """Read `shard` of this local dataset from the file at `path` from now on, opened here
+        (memory-mapped: it stays readable after a rename or unlink). The shard cache opens a
+        verified download under its temporary name before renaming it into place, so another
+        process evicting that name cannot remove it under this one's next read."""
+        entry = self.shards[shard]
+        opened = LocalShard(path, f"{self.url}/{entry.path}", entry)
+        with self._shard_lock(shard):
+            before = self._files.pop(shard, None)
+            self._files[shard] = opened
+        with self._lock:
+            for key in [k for k in self._arrays if k[0] == shard]:
+                del self._arrays[key]
+        if before is not None:
+            before.close()
+
     def close_shard(self, shard: int) -> None:
         """Close one shard's open file (it is reopened on the next read of that shard)."""
         with self._shard_lock(shard):

@@ -25,8 +25,9 @@ once. The bound is kept per process over the files that process sees, so give ea
 ranks a limit that sums to the disk you want to use; a rank may then evict a shard another
 rank holds. A cached copy that cannot be read (evicted by another rank, or damaged on disk
 since it was verified) is deleted and downloaded again, verified (`discard`, called by
-`reading.RowReader`); a copy of index.arrow that fails the manifest's checks is copied again
-when the cache opens.
+`reading.RowReader`); a download is opened (memory-mapped) before it takes its final name, so
+the read that follows cannot lose it to another rank's eviction. A copy of index.arrow that
+fails the manifest's checks is copied again when the cache opens.
 """
 
 from __future__ import annotations
@@ -303,8 +304,16 @@ class ShardCache:
                     f"{where}: downloaded {size} bytes with checksum {digest}; the manifest says {entry.checksum}. "
                     f"The shard is corrupted: run `packshard verify {self.remote.url}` and re-pack."
                 )
-            with _writing(self.root, entry.path):
-                os.replace(tmp, target)
+            # Open it before it takes its name: a rank sharing this cache_dir may evict the
+            # name at once (each process bounds the files it knows), and the open copy stays
+            # readable for this one.
+            self.local.open_shard_file(shard, str(tmp))
+            try:
+                with _writing(self.root, entry.path):
+                    os.replace(tmp, target)
+            except BaseException:
+                self.local.close_shard(shard)
+                raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             writer.shutdown(wait=True, cancel_futures=True)

@@ -4,6 +4,7 @@ corruption, the shard cache and the prefetch thread."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -532,6 +533,32 @@ def test_ranks_sharing_a_cache_dir_with_limits_heal_each_others_evictions(
         assert not isinstance(got[r], Exception), got[r]
         assert len(got[r]) == len(expected[r]) > 0
         assert all(same(a, b) for a, b in zip(got[r], expected[r], strict=True))
+
+
+def test_a_download_evicted_by_another_rank_at_once_is_still_read(
+    small_dataset: Path, tmp_path: Path, monkeypatch
+):
+    """Another process sharing the cache_dir may delete a shard the moment this one renames
+    its download into place (its own bound counts that name as its copy): the read that follows
+    must still get the rows, not fail with "missing"."""
+    import packshard.trainer_shim.cache as cache_module
+
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=8, seed=3)
+    expected = collect(PackedShardStream(str(small_dataset), **kw))
+    real_replace = os.replace
+    evicted = []
+
+    def replace_then_evicted(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        if str(dst).endswith(".arrow") and "shards" in str(dst):
+            os.unlink(dst)  # the other rank's _make_room, right after the rename
+            evicted.append(dst)
+
+    monkeypatch.setattr(cache_module.os, "replace", replace_then_evicted)
+    stream = PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", read_threads=1, **kw)
+    got = collect(stream)
+    assert evicted and len(got) == len(expected) > 0
+    assert all(same(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def _flip_byte(path: Path, at: int) -> None:
