@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from packshard.packers import CostModel, FormatError, ShardDataset, StorageError
 from packshard.packers.urls import dataset_url, redact_url
@@ -403,6 +404,13 @@ class PackedShardStream:
     # ---- iteration --------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if get_worker_info() is not None:
+            raise RuntimeError(
+                "PackedShardStream is iterated in a DataLoader worker process: every worker would "
+                "read all of this rank's rows, and the state_dict() of the stream in the training "
+                "process would never move. It reads ahead on its own thread; iterate it in the "
+                "training process (DataLoader num_workers=0, or no DataLoader)"
+            )
         if self.config.epochs is not None and len(self) == 0:
             # `for epoch in range(3): for mb in stream:` would train one epoch without a word
             log.warning(

@@ -561,6 +561,23 @@ def test_a_download_evicted_by_another_rank_at_once_is_still_read(
     assert all(same(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_iterating_in_a_dataloader_worker_is_refused(small_dataset: Path):
+    """Each worker process would read every row (the rows twice with two workers) and the
+    training process's stream state would never move: refused, naming num_workers=0."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    stream = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4)
+
+    class Wrapped(IterableDataset):
+        def __iter__(self) -> Any:
+            return iter(stream)
+
+    with pytest.raises(RuntimeError, match=r"DataLoader worker process.*num_workers=0"):
+        list(DataLoader(Wrapped(), batch_size=None, num_workers=1))
+    expected = len(stream)  # micro-batches left (all: the worker's copy read none of ours)
+    assert sum(1 for _ in DataLoader(Wrapped(), batch_size=None, num_workers=0)) == expected > 0
+
+
 def _flip_byte(path: Path, at: int) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0x01
