@@ -94,11 +94,15 @@ class ShardCache:
             )
         self.remote = remote
         self.limit_bytes = limit_bytes
+        if not os.fspath(cache_dir).strip():  # an unset setting, not "here"
+            raise ValueError(
+                f"cache_dir={os.fspath(cache_dir)!r}: give a directory (None: no shard cache)"
+            )
         slug = "".join(c if c.isalnum() else "-" for c in fingerprint)[:48]
         self.root = Path(cache_dir).expanduser().resolve() / slug
         try:
             (self.root / "shards").mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError, PermissionError) as e:
+        except OSError as e:  # exists as a file, permissions, a read-only filesystem, ...
             raise ValueError(
                 f"cache_dir={os.fspath(cache_dir)!r} cannot hold the shard cache: "
                 f"{type(e).__name__}: {e.strerror} ({e.filename}); give a writable directory"

@@ -554,7 +554,13 @@ class PackedShardStream:
         if self.cache is None and not self.dataset.local:
             mean = float(self.dataset.index_column("padded_len").mean())
             rows = max(rows, int(self.config.read_ahead_bytes // max(1.0, mean * 4.2)))
-        return rows
+        return min(rows, self._epoch_micro_batches)
+
+    @property
+    def _epoch_micro_batches(self) -> int:
+        """The most rows a window takes: an epoch of this rank's micro-batches (a window fills
+        before it is read, and an endless stream would never fill a larger one)."""
+        return max(1, self.steps_per_epoch * self.num_micro_steps)
 
     def _produce(
         self,
@@ -585,7 +591,8 @@ class PackedShardStream:
                         return
                     pending = []
                     if grow and self.cache is not None and self.cache.complete:
-                        window, grow = max(window, LOCAL_WINDOW_ROWS), False
+                        window = min(max(window, LOCAL_WINDOW_ROWS), self._epoch_micro_batches)
+                        grow = False
             if pending and not self._put(q, (pending, self._read(reader, pending, progress)), stop):
                 return
             self._put(q, _END, stop)

@@ -353,10 +353,13 @@ def test_read_rows_arrays_matches_read_rows(small_dataset: Path):
 def test_window_sizes(small_dataset: Path, tmp_path: Path, monkeypatch):
     """64 rows a window from a local dataset by default, 8 through a shard cache (each window
     waits for the shards it touches) until it holds every shard, then 64; an explicit prefetch
-    is taken as given."""
+    is taken as given; none takes more than an epoch of the rank's micro-batches (48 here at
+    dp_size 1, 24 at 2)."""
     kw = dict(dp_rank=0, dp_size=1, rows_per_step=2, epochs=2)
-    assert PackedShardStream(str(small_dataset), **kw).window_rows == LOCAL_WINDOW_ROWS == 64
+    assert PackedShardStream(str(small_dataset), **kw).window_rows == 48 < LOCAL_WINDOW_ROWS == 64
     assert PackedShardStream(str(small_dataset), prefetch=3, **kw).window_rows == 3
+    wide = dict(kw, dp_size=2, prefetch=30)
+    assert PackedShardStream(str(small_dataset), **wide).window_rows == 24
     sizes: list[int] = []
     read = RowReader.read
 
@@ -368,10 +371,8 @@ def test_window_sizes(small_dataset: Path, tmp_path: Path, monkeypatch):
     cached = PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **kw)
     assert cached.window_rows == REMOTE_WINDOW_ROWS == 8
     got = collect(cached)
-    assert sizes[0] == 8 and LOCAL_WINDOW_ROWS in sizes and sum(sizes) == len(got)
-    assert sizes.index(LOCAL_WINDOW_ROWS) <= len(
-        cached.dataset.shards
-    )  # one download a window at least
+    assert sizes[0] == 8 and 48 in sizes and sum(sizes) == len(got)
+    assert sizes.index(48) <= len(cached.dataset.shards)  # one download a window at least
     sizes.clear()
     collect(PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", prefetch=8, **kw))
     assert set(sizes[:-1]) == {8}
@@ -437,6 +438,36 @@ def test_a_cache_dir_that_is_a_file_is_named(small_dataset: Path, tmp_path: Path
     f.write_text("")
     with pytest.raises(ValueError, match=f"cache_dir='{f}' cannot hold the shard cache"):
         PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, cache_dir=f)
+
+
+def test_an_empty_or_read_only_cache_dir_is_named(small_dataset: Path, tmp_path: Path, monkeypatch):
+    """ "" (an unset setting) would put the cache in the working directory; a read-only
+    filesystem raised a raw OSError (EROFS is no PermissionError)."""
+    import errno
+
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=4)
+    with pytest.raises(ValueError, match=r"cache_dir='': give a directory \(None: no shard"):
+        PackedShardStream(str(small_dataset), cache_dir="", **kw)
+
+    def read_only(self: Path, *a: Any, **k: Any) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ValueError, match=r"cannot hold the shard cache: OSError: Read-only"):
+        PackedShardStream(str(small_dataset), cache_dir=tmp_path / "ro", **kw)
+
+
+def test_a_window_larger_than_an_epoch_still_yields_an_endless_stream(small_dataset: Path):
+    """The prefetch thread reads a window once it is full: one of more rows than an epoch of
+    an endless stream (prefetch, or read_ahead_bytes over short remote rows) never filled."""
+    s = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=2, rows_per_step=4, epochs=None,
+        prefetch=10**9, stall_timeout_s=20,
+    )  # fmt: skip
+    assert s.window_rows == s.steps_per_epoch * s.num_micro_steps
+    it = iter(s)
+    assert next(it)["row"] >= 0
+    s.close()
 
 
 def test_an_iterator_dropped_before_its_first_item_stops_its_thread(small_dataset: Path):
