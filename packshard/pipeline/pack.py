@@ -39,6 +39,7 @@ import importlib.util
 import json
 import logging
 import os
+import posixpath
 import signal
 import sys
 import time
@@ -569,6 +570,9 @@ def _pack(
         raise AssertionError(
             f"shards account for {merged['totals']['samples_in']} samples of {num_samples}"
         )
+    _check_shards_visible(
+        fs, root, cfg.output, [r.record for r in ordered], scheduler.node_summary()
+    )
     manifest = finalize_dataset(
         fs, root, config, [r.record for r in ordered], merged["totals"],
         extra={"skipped_examples": merged["examples"], "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3), "nodes": scheduler.node_summary()}},
@@ -576,6 +580,34 @@ def _pack(
     remove_job_state(fs, root)
     phase("committed index.arrow and manifest.json")
     return _Done(manifest, progress.tokens, workers, len(kept))
+
+
+def _check_shards_visible(
+    fs: Any, root: str, output: str, shards: list[Any], nodes: list[dict[str, Any]]
+) -> None:
+    """OutputError unless every shard the tasks wrote (and verified where they ran) is at OUT
+    as this driver sees it, at its size: a local OUT that is not one filesystem for every node
+    (a path on each node's own disk) gets shards scattered over the nodes. One listing of
+    OUT/shards; nothing is committed when it fails."""
+    try:
+        listed = fs.ls(f"{root}/shards", detail=True)
+    except FileNotFoundError:
+        listed = []
+    sizes = {posixpath.basename(str(e["name"])): e.get("size") for e in listed}
+    absent = [s.path for s in shards if sizes.get(posixpath.basename(s.path)) != s.bytes]
+    if not absent:
+        return
+    where = (
+        f"the job's tasks ran on {len(nodes)} nodes; a local path is each node's own disk, "
+        "unless every node mounts one filesystem there"
+        if len(nodes) > 1
+        else "another process may have removed them"
+    )
+    raise OutputError(
+        f"{len(absent)} of the {len(shards)} shards the job wrote are not at {output} as this "
+        f"driver sees it (first: {absent[0]}): {where}. Nothing was committed; give an object "
+        "store URL (s3://, gs://, ...) or a path every node shares, and rerun"
+    )
 
 
 class _Phases:

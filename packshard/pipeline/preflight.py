@@ -129,10 +129,33 @@ def open_output(cfg: PackConfig) -> tuple[Any, str, bool]:
         fs, root = url_to_fs(cfg.output, cfg.storage_options)
     except (ImportError, ValueError) as e:
         raise OutputError(f"output {cfg.output}: {e}") from None
+    _refuse_relative_output_of_a_submitted_job(cfg, fs)
     _check_output_outside_inputs(cfg, fs, root)  # before check_output creates OUT
     existed = not is_local(fs) or fs.exists(root)
     check_output(fs, root, cfg.output)
     return fs, root, not existed
+
+
+# Ray sets it for the entrypoint of `ray job submit` (the job's runtime env and metadata)
+RAY_SUBMITTED_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def _refuse_relative_output_of_a_submitted_job(cfg: PackConfig, fs: Any) -> None:
+    """OutputError for a relative local OUT under `ray job submit`: the entrypoint runs in
+    Ray's copy of the working directory on the head node (which Ray deletes in time), not in
+    the directory the user submitted from, and each node's tasks would resolve it in their own
+    copy."""
+    if not is_local(fs) or RAY_SUBMITTED_JOB_ENV not in os.environ:
+        return
+    path = cfg.output.removeprefix("file://")
+    if "://" in path or os.path.isabs(os.path.expanduser(path)):
+        return
+    raise OutputError(
+        f"output {cfg.output} is a relative path, and this job was submitted with `ray job "
+        f"submit`: it would land in Ray's copy of the working directory ({os.getcwd()}), "
+        "which Ray deletes later; give an object store URL (s3://, gs://, ...) or an absolute "
+        "path on a filesystem every node of the cluster mounts"
+    )
 
 
 def _check_output_outside_inputs(cfg: PackConfig, fs: Any, root: str) -> None:

@@ -302,6 +302,49 @@ def test_output_that_holds_other_files(tmp_path: Path, good: Path):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+def test_relative_output_of_a_submitted_ray_job(tmp_path: Path, good: Path, monkeypatch):
+    """Under `ray job submit` the entrypoint runs in Ray's copy of the working directory: a
+    relative local OUT would land there (and each node's tasks in their own copy). Refused
+    before anything is created; absolute paths, and relative ones outside a submitted job, pass."""
+    monkeypatch.chdir(tmp_path)
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"metadata": {"job_submission_id": "x"}})}
+    for out in ("packed/run1", "./packed/run1", "file://packed/run1"):
+        rc, err = pack(*args(good, out), env=job)
+        assert rc == 1 and f"output {out} is a relative path, and this job was submitted" in err
+        assert f"Ray's copy of the working directory ({tmp_path})" in err
+    assert not (tmp_path / "packed").exists()
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", job["RAY_JOB_CONFIG_JSON_ENV_VAR"])
+    preflight(config_from_args(args(good, tmp_path / "abs")))
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    preflight(config_from_args(args(good, "rel")))
+    assert (tmp_path / "rel").is_dir() and (tmp_path / "abs").is_dir()
+
+
+def test_shards_the_driver_cannot_see_are_not_committed(tmp_path: Path):
+    """A local OUT that each node of a cluster has on its own disk gets shards scattered over
+    the nodes: the commit checks that every shard is at OUT, at its size, as the driver sees it."""
+    from types import SimpleNamespace
+
+    import fsspec
+
+    from packshard.pipeline.jobstate import OutputError
+    from packshard.pipeline.pack import _check_shards_visible
+
+    fs = fsspec.filesystem("file")
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "part-00000.arrow").write_bytes(b"x" * 10)
+    (tmp_path / "shards" / "part-00002.arrow").write_bytes(b"x" * 9)  # another size
+    shards = [SimpleNamespace(path=f"shards/part-0000{n}.arrow", bytes=10) for n in range(3)]
+    two_nodes = [{"node_id": "a"}, {"node_id": "b"}]
+    with pytest.raises(OutputError, match=r"2 of the 3 shards .* \(first: shards/part-00001"):
+        _check_shards_visible(fs, str(tmp_path), "/out", shards, two_nodes)
+    with pytest.raises(OutputError, match="tasks ran on 2 nodes; a local path is each node's"):
+        _check_shards_visible(fs, str(tmp_path), "/out", shards, two_nodes)
+    _check_shards_visible(fs, str(tmp_path), "/out", shards[:1], two_nodes)
+    with pytest.raises(OutputError, match="another process may have removed them"):
+        _check_shards_visible(fs, str(tmp_path / "none"), "/out", shards[:1], two_nodes[:1])
+
+
 def test_output_that_cannot_be_written(tmp_path: Path, good: Path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
