@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packshard.packers import url_to_fs
+from packshard.packers.format import describe_error
 from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, demo_params
 from packshard.pipeline.samples import CANONICAL_FIELDS, BadRecord
@@ -131,7 +132,14 @@ def _open(
     fs, path = url_to_fs(f.url, storage_options)
     try:
         raw = fs.open(path, "rb", **({"block_size": block_size} if block_size else {}))
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        # fsspec's HTTP client reports any failed lookup so, the server's answer chained
+        cause = e.__cause__
+        if cause is not None and getattr(cause, "status", None) != 404:
+            raise InputError(
+                f"{f.display}: cannot be read now ({describe_error(cause)}); it was listed "
+                "when the job started (a signed URL may have expired)"
+            ) from None
         raise InputError(
             f"{f.display}: the input disappeared (it was listed when the job started)"
         ) from None

@@ -14,22 +14,33 @@ from typing import Any
 
 
 @contextmanager
-def serving(root: Path, paths: list[str] | None = None) -> Iterator[tuple[str, list[str]]]:
+def serving(
+    root: Path, paths: list[str] | None = None, refuse: dict[str, int] | None = None
+) -> Iterator[tuple[str, list[str]]]:
     """("127.0.0.1:port", the Authorization headers seen, in order) while the block runs; every
-    request's path and query are appended to `paths` when given."""
+    request's path and query are appended to `paths` when given. While `refuse` holds a
+    "status" (an expired signature's 403, a 503), every request gets that answer."""
     seen: list[str] = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
+        def _refused(self) -> bool:
+            if refuse and refuse.get("status"):
+                self.send_error(refuse["status"])
+                return True
+            return False
+
         def do_GET(self) -> None:
             seen.append(self.headers.get("Authorization", ""))
             if paths is not None:
                 paths.append(self.path)
-            super().do_GET()
+            if not self._refused():
+                super().do_GET()
 
         def do_HEAD(self) -> None:
             if paths is not None:
                 paths.append(self.path)
-            super().do_HEAD()
+            if not self._refused():
+                super().do_HEAD()
 
         def log_message(self, *args: Any) -> None:
             pass

@@ -303,6 +303,28 @@ def test_an_http_glob_with_a_query_matches_and_passes_the_query_on(tmp_path: Pat
     assert paths and all(p.endswith("?token=SECRET") for p in paths)
 
 
+def test_an_http_input_that_refuses_mid_job_says_what_the_server_answered(tmp_path: Path):
+    """fsspec reports any failed HTTP lookup as FileNotFoundError: a signature that expired
+    after the listing (403) or a server error is no input that "disappeared"."""
+    from tests.integration._http import serving
+
+    (tmp_path / "a.jsonl").write_bytes(_jsonl(RECORDS[:2]))
+    refuse: dict[str, int] = {}
+    with serving(tmp_path, refuse=refuse) as (host, _):
+        (f,) = resolve_inputs([f"http://{host}/a.jsonl?sig=SECRET"])
+        f = count_records(f)
+        for status, said in ((403, "403"), (503, "503")):
+            refuse["status"] = status
+            with pytest.raises(InputError) as e:
+                list(read_records(f, 0, 2))
+            assert f"http://{host}/a.jsonl: cannot be read now (" in str(e.value)
+            assert said in str(e.value) and "SECRET" not in str(e.value)
+            assert "disappeared" not in str(e.value)
+        refuse["status"] = 404
+        with pytest.raises(InputError, match="the input disappeared"):
+            list(read_records(f, 0, 2))
+
+
 def test_hf_save_to_disk_directories(tmp_path: Path):
     import datasets
 
