@@ -300,7 +300,7 @@ class Scheduler:
         for iv in self.intervals:
             iv.cursor = self._block_of(iv.frontier)
         self.todo = self._blocks_to_tokenize()
-        self.error: tuple[int, str] | None = None
+        self.error: tuple[int, str, bool] | None = None  # sample id, message, skippable
         self.nodes: dict[str, dict[str, int]] = {}  # node id -> tasks run there, by kind
         for result in kept.values():
             self._ran(result.node, "check")
@@ -362,10 +362,29 @@ class Scheduler:
             )
             self.pending_tok[meta_ref] = (b, data_ref)
 
-    def _fail_at(self, sample_id: int, message: str) -> None:
-        """Note an error at `sample_id`; the earliest one in input order is the one raised."""
+    def _fail_at(self, sample_id: int, message: str, *, skippable: bool = False) -> None:
+        """Note an error at `sample_id`; the earliest one in input order is the one raised.
+        A `skippable` one (a bad record) is raised with the flags that skip it (`_failure`)."""
         if self.error is None or sample_id < self.error[0]:
-            self.error = (sample_id, message)
+            self.error = (sample_id, message, skippable)
+
+    def _failure(self) -> JobError:
+        """The noted error; for a bad record, the way past it: --skip-bad-records, and
+        --overwrite too once shards were written (packed without skipping, they belong to this
+        config: a rerun with another is refused without --overwrite)."""
+        assert self.error is not None
+        _, message, skippable = self.error
+        if skippable:
+            message += (
+                "\n(pass --skip-bad-records to skip such records and count them in the manifest"
+            )
+            if self.results:
+                message += (
+                    f"; this job has {len(self.results)} verified shard(s) packed without it, so "
+                    "add --overwrite to start over"
+                )
+            message += ")"
+        return JobError(message)
 
     def _error_is_first(self) -> bool:
         """True once no block still tokenizing can hold a record before the noted error (the
@@ -380,11 +399,7 @@ class Scheduler:
         bad = [e for e in meta.examples if e[2] not in POLICY_DROPS]
         if bad and not self.spec.skip_bad_records:
             sid, location, reason, detail = bad[0]
-            self._fail_at(
-                sid,
-                f"{location}: {reason}: {detail}\n(pass --skip-bad-records to skip such records "
-                "and count them in the manifest)",
-            )
+            self._fail_at(sid, f"{location}: {reason}: {detail}", skippable=True)
         self.contrib[blk.first_id : blk.end_id] = contributions(
             meta.lengths, self.spec.seq_len, self.spec.overlong
         )
@@ -513,7 +528,7 @@ class Scheduler:
                 # The first bad record in input order, whatever the timing: wait for the blocks
                 # before it (no new work is started meanwhile), then raise.
                 if self._error_is_first():
-                    raise JobError(self.error[1])
+                    raise self._failure()
                 continue
             if ready:
                 self._plan()

@@ -84,6 +84,28 @@ def test_the_error_names_the_first_bad_record_in_input_order(
         assert last_finished_first
 
 
+def test_a_bad_record_after_written_shards_names_overwrite_too():
+    """Shards written before the bad record was read were packed without skipping: a rerun
+    with --skip-bad-records is another config, refused without --overwrite, so the error says
+    both (and only --skip-bad-records while nothing was written)."""
+    from types import SimpleNamespace
+
+    from packshard.pipeline.scheduler import Scheduler
+
+    def failure(results: dict, skippable: bool = True) -> str:
+        s = SimpleNamespace(error=(7, "a.jsonl:line 8: empty_conversation: x", skippable))
+        s.results = results
+        return str(Scheduler._failure(s))  # type: ignore[arg-type]
+
+    assert failure({}).endswith(
+        "(pass --skip-bad-records to skip such records and count them in the manifest)"
+    )
+    assert "this job has 2 verified shard(s) packed without it, so add --overwrite" in failure(
+        {0: 1, 1: 1}
+    )
+    assert failure({0: 1}, skippable=False) == "a.jsonl:line 8: empty_conversation: x"
+
+
 def test_the_first_bad_record_also_under_shuffle_and_when_it_is_the_last_block(
     ray_local, inputs: Path, tmp_path: Path, capsys, last_finished_first: list[int]
 ):
