@@ -14,8 +14,8 @@ imported (together 3-14 s on a 2-core machine). The checks cost what they read:
   it sits in a glob. A text file whose bytes are compressed (gzip, zstd, xz, bzip2) but whose
   name says plain fails, whatever ``--skip-bad-records`` says. Without ``--skip-bad-records``
   a file whose first record has no sample fields fails too; other bad records are the job's to
-  report, in input order (a first line that does not parse is reported here only when a later
-  file fails: it comes first). A file listed twice is packed twice, with a warning, and a
+  report, in input order (a first line that does not parse is reported here when it is the
+  first input's, or when a later file fails: either way it comes first). A file listed twice is packed twice, with a warning, and a
   directory or glob's files of other types are named in a warning;
 - tokenizer: `tokenizer_loading.locate_tokenizer` (a directory that does not exist, a hub name
   that is offline and not cached, a hub that cannot be reached), without loading it; checked
@@ -190,14 +190,16 @@ def check_inputs(
     given twice, overlapping globs) is packed as often as it is listed, with a warning."""
     per_spec = resolve_specs(cfg.inputs, storage_options=cfg.storage_options, split=cfg.split)
     malformed: list[tuple[str, BadRecord]] = []  # first lines that do not parse, in input order
-    for spec, files in zip(cfg.inputs, per_spec, strict=True):
+    for number, (spec, files) in enumerate(zip(cfg.inputs, per_spec, strict=True)):
         try:
             looked = _check_spec(cfg, spec, files, chat_template, malformed)
         except InputError:
             if malformed and not cfg.skip_bad_records:  # an earlier file fails the job first
-                location, bad = malformed[0]
-                raise InputError(f"{location}: {bad}") from None
+                raise _malformed_error(*malformed[0]) from None
             raise
+        first = looked[0][1].first if number == 0 and looked else None
+        if malformed and not cfg.skip_bad_records and first and malformed[0][0] == first[0]:
+            raise _malformed_error(*malformed[0])  # the first record of all: nothing precedes it
         if peeks is not None:
             peeks += looked
     files = [f for found in per_spec for f in found]
@@ -208,6 +210,13 @@ def check_inputs(
                 redact_url(url), n, n,
             )  # fmt: skip
     return files
+
+
+def _malformed_error(location: str, bad: BadRecord) -> InputError:
+    return InputError(
+        f"{location}: {bad}\n(pass --skip-bad-records to skip such records and count them in "
+        "the manifest)"
+    )
 
 
 def _check_spec(

@@ -288,8 +288,14 @@ def test_an_earlier_malformed_first_line_is_reported_before_a_later_files_error(
     out = tmp_path / "out"
     with pytest.raises(InputError, match=r"a\.jsonl:line 1: malformed_json"):
         preflight(config_from_args(args(tmp_path / "in" / "*.jsonl", out)))
-    # alone, the malformed line is the job's to report (an earlier record may be bad too)
-    preflight(config_from_args(args(tmp_path / "in" / "a.jsonl", out)))
+    # the first input's first line is the first record of all: reported before Ray starts
+    with pytest.raises(InputError, match=r"a\.jsonl:line 1: malformed_json.*\n\(pass --skip-bad"):
+        preflight(config_from_args(args(tmp_path / "in" / "a.jsonl", out)))
+    preflight(config_from_args(args(tmp_path / "in" / "a.jsonl", out, "--skip-bad-records")))
+    # a later file's malformed first line is the job's to report: an earlier record may be bad
+    (tmp_path / "c.jsonl").write_text(json.dumps(CHAT) + "\n")
+    cfg = [*args(tmp_path / "c.jsonl", out), "--input", str(tmp_path / "in" / "a.jsonl")]
+    preflight(config_from_args(cfg))
 
 
 def test_output_that_holds_other_files(tmp_path: Path, good: Path):
