@@ -157,9 +157,12 @@ class ShardCache:
         """Count verified copies a previous run left (only verified files carry final names)."""
         found = []
         for number, entry in enumerate(self.remote.shards):
-            path = self.root / entry.path
-            if path.exists() and path.stat().st_size == entry.bytes:
-                found.append((path.stat().st_mtime, number, entry.bytes))
+            try:  # one stat: a rank sharing the cache_dir may evict the file at any moment
+                st = (self.root / entry.path).stat()
+            except FileNotFoundError:
+                continue
+            if st.st_size == entry.bytes:
+                found.append((st.st_mtime, number, entry.bytes))
         for _, number, size in sorted(found):
             self._lru[number] = size
 

@@ -592,6 +592,32 @@ def test_a_download_evicted_by_another_rank_at_once_is_still_read(
     assert all(same(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_a_cached_shard_evicted_while_a_rank_opens_the_cache_is_left_out(
+    small_dataset: Path, tmp_path: Path, monkeypatch
+):
+    """A rank that opens a shared cache_dir while another evicts: a file that goes right after
+    the rank looked at it failed the stream's constructor with FileNotFoundError (it looked
+    twice); adopted, its first read finds it gone and downloads it again."""
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=8)
+    expected = collect(PackedShardStream(str(small_dataset), **kw))
+    collect(PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **kw))  # warm
+    real_stat, gone = Path.stat, []
+
+    def evicted_after_first_look(self: Path, *a: Any, **k: Any) -> Any:
+        found = real_stat(self, *a, **k)
+        if self.name == "part-00001.arrow" and not gone:
+            gone.append(self)
+            os.unlink(self)  # the other rank's eviction, right after this look
+        return found
+
+    monkeypatch.setattr(Path, "stat", evicted_after_first_look)
+    stream = PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **kw)
+    monkeypatch.setattr(Path, "stat", real_stat)
+    assert gone and stream.cache is not None
+    got = collect(stream)
+    assert len(got) == len(expected) and all(same(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_iterating_in_a_dataloader_worker_is_refused(small_dataset: Path):
     """Each worker process would read every row (the rows twice with two workers) and the
     training process's stream state would never move: refused, naming num_workers=0."""
