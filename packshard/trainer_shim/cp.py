@@ -62,9 +62,10 @@ def _check_topology(cp_size: int, cp_rank: int, layout: str) -> None:
 
 
 def row_divisor(cp_size: int, layout: CpLayout) -> int:
-    """What every row length must be a multiple of under this layout (cp or 2·cp)."""
+    """What every row length must be a multiple of under this layout (cp or 2·cp; 1 without CP,
+    whatever the layout: one rank holds the whole row)."""
     _check_topology(cp_size, 0, layout)
-    return CP_LAYOUTS[layout][0] * cp_size
+    return 1 if cp_size == 1 else CP_LAYOUTS[layout][0] * cp_size
 
 
 def check_layout(
@@ -111,15 +112,16 @@ def cp_positions(
     """Global positions (int64, in the order this rank holds them) of CP rank `cp_rank`'s chunk
     of a row of `length` tokens. Raises ValueError when the row does not divide."""
     _check_topology(cp_size, cp_rank, layout)
-    chunks, fn = CP_LAYOUTS[layout]
-    divisor = chunks * cp_size
+    if cp_size == 1:
+        return np.arange(length, dtype=np.int64)
+    divisor = row_divisor(cp_size, layout)
     if length % divisor:
         what = f"row {row}" if row is not None else "a row"
         raise ValueError(
             f"{what} has {length} tokens, not a multiple of {divisor} (cp_size={cp_size}, cp_layout={layout!r}); "
             f"re-pack the dataset with `--pad-multiple {2 * cp_size}`"
         )
-    return fn(length, cp_size, cp_rank)
+    return CP_LAYOUTS[layout][1](length, cp_size, cp_rank)
 
 
 def cp_slices(
@@ -132,6 +134,8 @@ def cp_slices(
 ) -> list[slice]:
     """The same chunk as `cp_positions`, as one or two slices of the row (cheap to apply)."""
     _check_topology(cp_size, cp_rank, layout)
+    if cp_size == 1:
+        return [slice(0, length)]
     chunks = CP_LAYOUTS[layout][0]
     if length % (chunks * cp_size):
         cp_positions(length, cp_size, cp_rank, layout, row=row)  # raises the error

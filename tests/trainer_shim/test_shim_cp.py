@@ -28,6 +28,14 @@ def test_chunks_partition_the_row(cp, chunks, layout):
         )
 
 
+def test_one_cp_rank_holds_any_row_whole_in_either_layout():
+    """Without CP nothing is split: a zigzag config kept with cp_size=1 takes odd lengths."""
+    assert row_divisor(1, "zigzag") == row_divisor(1, "contiguous") == 1
+    for layout in ("zigzag", "contiguous"):
+        assert cp_positions(7, 1, 0, layout).tolist() == list(range(7))  # type: ignore[arg-type]
+        assert cp_slices(7, 1, 0, layout) == [slice(0, 7)]  # type: ignore[arg-type]
+
+
 def test_zigzag_takes_chunks_r_and_mirror():
     # 16 tokens, cp=2 -> 4 chunks of 4: rank 0 holds chunks 0 and 3, rank 1 holds 1 and 2
     assert cp_positions(16, 2, 0, "zigzag").tolist() == [0, 1, 2, 3, 12, 13, 14, 15]

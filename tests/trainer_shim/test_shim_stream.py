@@ -440,6 +440,20 @@ def test_a_cache_dir_that_is_a_file_is_named(small_dataset: Path, tmp_path: Path
         PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, cache_dir=f)
 
 
+def test_zigzag_without_cp_streams_rows_of_any_length(tmp_path: Path):
+    """A config that keeps cp_layout='zigzag' with CP off splits nothing: odd row lengths
+    (a dataset packed with --pad-multiple 1) stream as with 'contiguous'."""
+    from packshard.trainer_shim.synthetic import write_synthetic_dataset
+
+    lengths = np.random.default_rng(3).integers(8, 300, 60)
+    write_synthetic_dataset(tmp_path / "odd", lengths=lengths, seq_len=512, pad_multiple=1)
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=2)
+    zig = collect(PackedShardStream(str(tmp_path / "odd"), cp_layout="zigzag", **kw))
+    flat = collect(PackedShardStream(str(tmp_path / "odd"), cp_layout="contiguous", **kw))
+    assert any(mb["input_ids"].numel() % 2 for mb in zig)
+    assert len(zig) == len(flat) and all(same(a, b) for a, b in zip(zig, flat, strict=True))
+
+
 def test_an_empty_or_read_only_cache_dir_is_named(small_dataset: Path, tmp_path: Path, monkeypatch):
     """ "" (an unset setting) would put the cache in the working directory; a read-only
     filesystem raised a raw OSError (EROFS is no PermissionError)."""
