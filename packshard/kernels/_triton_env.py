@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 
-# What Triton versions without `triton.knobs` take for on (their C++ getBoolEnv)
+# What Triton's C++ getBoolEnv takes for on, for a Triton without `triton.knobs`
 _TRUTHY = ("1", "true", "on")
 
 
 def interpreting() -> bool:
     """Whether the variable is on as the installed Triton reads it: through its own knob
-    (`triton.knobs.runtime.interpret`, which also sees a value set in code), so the words it
-    takes for on are its own (Triton 3.6 takes 1/true/on in any case; 3.9 also yes/y)."""
+    (`triton.knobs.runtime.interpret`), so the words it takes for on are its own (3.6 and 3.9
+    take 1/true/on/yes/y in any case) and a value set in code counts too."""
     try:
         from triton import knobs
     except ImportError:

@@ -115,8 +115,8 @@ def _check_plan(chunks, ks, ke, extra: int, bound: int, align: int) -> None:
 @pytest.mark.parametrize("value", ["1", "true", "On", "yes", "y", "0", "2", ""])
 def test_interpreting_is_what_the_installed_triton_reads(value: str, monkeypatch) -> None:
     """The paths that avoid inline PTX follow Triton's own reading of TRITON_INTERPRET (the
-    words it takes for on differ between versions: 3.6 has no yes/y), and a knob set in code
-    without touching the environment."""
+    words it takes for on are its version's), and a knob set in code without touching the
+    environment."""
     from triton import knobs
 
     from packshard.kernels._triton_env import interpreting
