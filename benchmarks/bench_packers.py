@@ -39,7 +39,8 @@ did not gain from them). The latest result is RESULTS.md's `bench_packers` secti
 with the C path, are in `history/bench_packers.jsonl`.
 
 Usage: `python benchmarks/bench_packers.py` (all scenarios, appends to RESULTS.md);
-`--quick` for a small smoke run; `--scenarios a,b,plan`; `--no-append`.
+`--quick` for a small smoke run; `--scenarios a,b,plan`; `--no-append`. A partial run
+(`--quick`, `--skip-trl`, fewer scenarios) only prints: RESULTS.md keeps full runs.
 """
 
 from __future__ import annotations
@@ -513,7 +514,18 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
     print("\n" + body)
-    if not args.no_append:
+    partial = [
+        flag
+        for flag, on in (
+            ("--quick", args.quick),
+            ("--skip-trl", args.skip_trl),
+            ("--scenarios", set(chosen) != {"a", "b", "plan"}),
+        )
+        if on
+    ]
+    if partial:  # RESULTS.md keeps the maintained benchmark's full run only
+        print(f"\nnot recorded in RESULTS.md: a partial run ({', '.join(partial)})")
+    elif not args.no_append:
         record_result(
             "bench_packers",
             "Packing: packers.pack_table vs TRL pack_dataset(bfd)",

@@ -1,7 +1,7 @@
 """Train a tiny causal LM on a packshard dataset with DP x CP on CPU: the shim in a plain loop.
 
     torchrun --nproc-per-node 4 examples/train_tiny.py --data OUT --cp 2 --steps 20
-    # a dataset to try it on:  python -m trainer_shim.synthetic /tmp/tiny --seq-len 512 --pad-multiple 4
+    # a dataset to try it on:  python -m packshard.trainer_shim.synthetic /tmp/tiny --seq-len 512 --pad-multiple 4
 
 4 processes = dp 2 x cp 2 (gloo). Each rank gets its CP chunk of its DP rank's row from
 `PackedShardStream`; attention all-gathers K/V across the CP group and masks them with the

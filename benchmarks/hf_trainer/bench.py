@@ -146,7 +146,7 @@ def train_once(
     model = env["cls"](env["config"]).to(device)
     model.load_state_dict(env["init"])
     handle = None
-    if arm == "packshard" and model_name == "glm":
+    if arm in ("packshard", "packshard_ctl") and model_name == "glm":  # the ctl: another seed
         from packshard.kernels.hf import use_packshard_indexer
 
         handle = use_packshard_indexer(model, **env["indexer_kwargs"])
