@@ -61,6 +61,13 @@ The replacement is not traceable by torch.compile (host-side ranges, syncs): dyn
 graph around it. Its selections are bitwise deterministic, so a layer recomputed under
 gradient checkpointing selects the same keys.
 
+**Copies of the model.** A routed model pickles (`torch.save(model)`) and deep-copies (TRL's
+reference model) with its routing: the copy gets its own handle, which routes and restores the
+copy. `nn.DataParallel`'s replicas copy each module's attributes shallowly, so a replica's
+routed forward would run on the original module's weights (on another GPU than its inputs):
+train on several GPUs with one process each (torchrun / accelerate: DDP, FSDP), where every
+process routes its own model.
+
 **fp8 tolerance rule.** Ours selects the exact top-k of s8[t, s], the score above on q and k
 rounded per vector to e4m3 at a power-of-two scale c (an element's error is at most
 max(2^-4 |x|, 2^-10 c), c <= max(amax, 1e-4) / 224);
@@ -345,6 +352,21 @@ class PackshardIndexer:
         self._hooks = ()
         self._ranges = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied with the model it routes (torch.save of a whole model, TRL's
+        reference copy): the weak reference travels as the model itself, so a copy's handle
+        points at the copied model, not at the original (copy and pickle keep a weak reference
+        as it is, or cannot pickle it at all); the planning cache of a forward stays behind."""
+        state = dict(self.__dict__)
+        state["_model"] = self._model() if self._model is not None else None
+        state["_ranges"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        model = state.pop("_model")
+        self.__dict__.update(state)
+        self._model = weakref.ref(model) if model is not None else None
+
     @property
     def active(self) -> bool:
         return any(getattr(m, "_packshard_indexer", None) is self for m in self.modules.values())
@@ -617,8 +639,12 @@ def _check_unused_slots(model: nn.Module, unused_slots: str) -> None:
     bare indexer module passes: its caller decides what consumes the indices)."""
     if unused_slots != "minus_one" or _family_of(model)[1] is not None:
         return
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl in MASK_ATTENTIONS:
+    # the model's config, or those of the models a wrapper (a user's module, DDP) holds
+    impls = [
+        getattr(getattr(m, "config", None), "_attn_implementation", None) for m in model.modules()
+    ]
+    impl = next((i for i in impls if i in MASK_ATTENTIONS), None)
+    if impl is not None:
         raise ValueError(
             "unused_slots='minus_one' is for sparse attention kernels that read -1 as no key "
             f"(FlashMLA); this model's {impl!r} attention scatters the indices into a mask, "

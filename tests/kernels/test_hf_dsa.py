@@ -169,6 +169,36 @@ def test_routes_restores_and_is_idempotent() -> None:
     assert not again.active
 
 
+def test_a_routed_model_pickles_and_copies_with_its_routing() -> None:
+    """torch.save of a whole model and TRL's reference copy (copy.deepcopy): the copy is routed
+    by its own handle, which points at the copy (not at the original), and restores the copy."""
+    import copy
+    import io
+
+    model = tiny_model("deepseek_v32")
+    handle = use_packshard_indexer(model, config=CONFIG)
+    ids = torch.randint(0, 64, (1, 9), device=DEVICE)
+    with torch.no_grad():
+        want = model(ids).logits
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        h = other._packshard_indexer
+        assert h is not handle and h._model() is other and h.active
+        assert use_packshard_indexer(other, config=CONFIG) is h
+        with torch.no_grad():
+            assert torch.equal(other(ids).logits, want)
+        assert h.calls == handle.calls + 1
+        h.restore()
+        assert (
+            not hasattr(other, "_packshard_indexer")
+            and "forward" not in first_indexer(other).__dict__
+        )
+        assert handle.active and use_packshard_indexer(model, config=CONFIG) is handle
+    handle.restore()
+
+
 def test_a_with_block_restores_only_the_routing_it_made() -> None:
     """`with use_packshard_indexer(model):` inside code that routed the model for the whole run
     (an eval helper) leaves that routing; the blocks that routed restore on exit."""
@@ -536,7 +566,10 @@ def test_arguments_that_cannot_work_are_refused() -> None:
     model = tiny_model("glm_moe_dsa")  # SDPA: the attention scatters the indices into a mask
     with pytest.raises(ValueError, match="'sdpa' attention scatters the indices"):
         use_packshard_indexer(model, config=CONFIG, unused_slots="minus_one")
-    handle = use_packshard_indexer(model, config=CONFIG)  # the refusal left nothing routed
+    wrapper = nn.ModuleDict({"lm": model})  # a user's wrapper (or DDP): no config of its own
+    with pytest.raises(ValueError, match="'sdpa' attention scatters the indices"):
+        use_packshard_indexer(wrapper, config=CONFIG, unused_slots="minus_one")
+    handle = use_packshard_indexer(model, config=CONFIG)  # the refusals left nothing routed
     assert handle.active
     handle.restore()
     with pytest.raises(TypeError, match="hadamard must be True or False, got 'no'"):
