@@ -69,6 +69,14 @@ def dataset_url(url: object) -> str:
     if not url.strip():
         raise ValueError("the dataset URL is empty: give the dataset's directory or URL")
     refuse_credentials(url)
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() in _QUERY_SCHEMES and ("?" in rest or "#" in rest):
+        raise UrlError(
+            f"{redact_url(url)}: a dataset URL with a query string (?...) is not read: packshard "
+            "reads manifest.json, index.arrow and the shards under the dataset's URL and sends no "
+            "query with them. Serve the dataset without one, or give its store's own URL (s3://, "
+            "gs://, az://) with credentials as storage options"
+        )
     return url
 
 

@@ -249,6 +249,18 @@ def test_a_manifest_counter_of_the_wrong_type_fails_every_reader(dataset, tmp_pa
         assert "truncated_samples must be an int >= 0, got '3'" in capsys.readouterr().err
 
 
+def test_an_http_dataset_url_with_a_query_is_refused_in_one_line(capsys):
+    """The query would have to go with each file of the dataset, which nothing sends: refused
+    naming what to do, without the signature (it read '.../ds//manifest.json: not valid JSON',
+    the server's directory listing)."""
+    for command in (["stats"], ["verify", "--quiet"]):
+        assert main([*command, "https://u:PW@host.example/ds/?sig=SECRET"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"packshard {command[0]}: https://host.example/ds/: a dataset URL")
+        assert "query string" in err and "SECRET" not in err and "PW" not in err
+        assert len(err.splitlines()) == 1
+
+
 def test_an_unknown_protocol_is_one_line(capsys):
     assert main(["stats", "nosuch://u:SECRET@bucket/ds"]) == 1
     err = capsys.readouterr().err
