@@ -408,18 +408,14 @@ def _run(cfg: PackConfig, committed: list[bool]) -> int:
             started = start_ray(cfg)  # set before counting starts: a Ctrl-C there shuts it down
             counter = _start_counting(cfg, files)
             phase("joined the Ray cluster; counting the inputs and warming the workers")
-        try:
-            tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
-            phase("loaded the tokenizer" + (" from packshard's cache" if tokenizer.cached else ""))
-            if (
-                tokenizer.encoder is not None
-                and not tokenizer.encoder.has_chat_template
-                and has_chat_template(checked.tokenizer) is None
-            ):  # a hub tokenizer's files said nothing before it loaded
-                checked.refuse_chats(cfg)
-        except BaseException:
-            checked.discard_output()
-            raise
+        tokenizer = prepare_tokenizer(cfg, checked.tokenizer)
+        phase("loaded the tokenizer" + (" from packshard's cache" if tokenizer.cached else ""))
+        if (
+            tokenizer.encoder is not None
+            and not tokenizer.encoder.has_chat_template
+            and has_chat_template(checked.tokenizer) is None
+        ):  # a hub tokenizer's files said nothing before it loaded
+            checked.refuse_chats(cfg)
         config = cfg.dataset_config(
             tokenizer=tokenizer.info,
             pad_token_id=tokenizer.pad_token_id,
@@ -450,6 +446,9 @@ def _run(cfg: PackConfig, committed: list[bool]) -> int:
                 counter = _start_counting(cfg, files)
             job = _pack(cfg, fs, root, files, counter, tokenizer, config, state, stop, phase, t0)
             committed.append(True)
+    except BaseException:  # a failure or Ctrl-C before anything was written (Ray's start, ...)
+        checked.discard_output()  # leaves no empty OUT it created (it keeps one with files)
+        raise
     finally:
         if counter is not None:
             counter.cancel()  # no-op once counted; stops counting when the job ends early

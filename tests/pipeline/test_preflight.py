@@ -308,6 +308,26 @@ def test_output_that_holds_other_files(tmp_path: Path, good: Path):
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+def test_a_ctrl_c_while_ray_starts_leaves_no_empty_output(
+    tmp_path: Path, good: Path, monkeypatch, capsys
+):
+    """The checks create OUT; a job stopped before it wrote anything (Ctrl-C while the local
+    Ray starts) removes it again, as a refused one does (stats would call it empty)."""
+    import packshard.pipeline.pack as pack_module
+
+    def interrupted(cfg: object) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack_module, "start_ray", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pack_module.run(config_from_args([*args(good, tmp_path / "out"), "--no-progress"]))
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()  # an OUT the user made stays
+    with pytest.raises(KeyboardInterrupt):
+        pack_module.run(config_from_args([*args(good, tmp_path / "mine"), "--no-progress"]))
+    assert (tmp_path / "mine").is_dir()
+
+
 def test_relative_output_of_a_submitted_ray_job(tmp_path: Path, good: Path, monkeypatch):
     """Under `ray job submit` the entrypoint runs in Ray's copy of the working directory: a
     relative local OUT would land there (and each node's tasks in their own copy). Refused
