@@ -68,7 +68,9 @@ JOB_DIR = "_packshard"
 PLAN_NAME = f"{JOB_DIR}/plan.json"
 MARKERS_DIR = f"{JOB_DIR}/shards"
 # 2: .json files are counted with the column mapping (readers._json_records)
-JOB_STATE_VERSION = 2
+# 3: plain prompt/completion pairs are tokenized joined (tokenization.SampleEncoder): an
+#    unfinished job's shards from before hold other ids for them, so it is not resumed
+JOB_STATE_VERSION = 3
 PROBE_PREFIX = ".packshard-write-probe-"
 OUR_NAMES = frozenset({MANIFEST_NAME, INDEX_NAME, SHARDS_DIR, JOB_DIR})
 TMP_NAMES = frozenset({f"{MANIFEST_NAME}.tmp", f"{INDEX_NAME}.tmp"})

@@ -28,7 +28,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_key_values(pairs: Sequence[str] | None, flag: str = "--storage-option") -> dict[str, Any]:
-    """``['key=value', ...]`` -> ``{key: json-or-string value}``; ValueError names `flag`."""
+    """``['key=value', ...]`` -> ``{key: json-or-string value}``; ValueError names `flag`.
+    Python's ``True`` / ``False`` / ``None`` read as JSON's true / false / null: kept as the
+    strings, ``enable_thinking=False`` would be truthy in a chat template and ``anon=False``
+    in a filesystem's options."""
     options: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
@@ -37,8 +40,11 @@ def parse_key_values(pairs: Sequence[str] | None, flag: str = "--storage-option"
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
-            options[key] = value
+            options[key] = _PYTHON_LITERALS.get(value, value)
     return options
+
+
+_PYTHON_LITERALS: dict[str, Any] = {"True": True, "False": False, "None": None}
 
 
 def add_storage_option_flag(parser: argparse.ArgumentParser | Any) -> None:

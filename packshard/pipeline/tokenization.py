@@ -6,8 +6,10 @@ tokenizer.
   `apply_chat_template(tokenize=True)` does, so the ids are the tokenizer's own;
 - text: tokenized with the tokenizer's special tokens (e.g. BOS) and EOS appended, every token
   a loss token;
-- prompt + completion without a chat template: prompt and completion tokenized separately,
-  loss on the completion and EOS;
+- prompt + completion without a chat template: the two texts joined and tokenized once (the
+  ids of the tokenizer on the whole text: a SentencePiece tokenizer encoding the completion
+  alone would start it with a space of its own), loss on the tokens that start in the
+  completion, and on EOS;
 - pre-tokenized ids: checked against the vocabulary size, kept as they are.
 
 A token is a loss token when it *starts* inside a loss span: Phi-3's ``<|assistant|>`` token
@@ -152,7 +154,12 @@ class SampleEncoder:
         if isinstance(sample, Text):
             return _Pending([sample.text], kind="text")
         if isinstance(sample, PlainPromptCompletion):
-            return _Pending([sample.prompt, sample.completion], kind="plain_pc")
+            start = len(sample.prompt)
+            return _Pending(
+                [sample.prompt + sample.completion],
+                [(start, start + len(sample.completion))],
+                kind="plain_pc",
+            )
         raise TypeError(f"cannot prepare {type(sample).__name__}")
 
     def _check_ids(self, sample: Tokens) -> Encoded:
@@ -170,13 +177,24 @@ class SampleEncoder:
         """The Rust batch encoder, in batches of ENCODE_BATCH texts (measured ~25% faster than
         one huge batch on 7.5K GSM8K chats). Without `offsets` (texts whose every token is a
         loss token) it uses `encode_batch_fast` where the installed tokenizers has it: the same
-        ids without character offsets, ~20% faster on Gutenberg books."""
+        ids without character offsets, ~20% faster on Gutenberg books. A text the encoder
+        refuses (a lone surrogate such as a cut emoji escape, "\ud83d", which JSON allows and
+        UTF-8 cannot hold fails its whole batch) comes back as a BadRecord, found by encoding
+        that batch's texts one at a time."""
         encode = self.backend.encode_batch
         if not offsets:
             encode = getattr(self.backend, "encode_batch_fast", encode)
         out: list[Any] = []
         for i in range(0, len(texts), ENCODE_BATCH):
-            out += encode(texts[i : i + ENCODE_BATCH], add_special_tokens=add_special_tokens)
+            batch = texts[i : i + ENCODE_BATCH]
+            try:
+                out += encode(batch, add_special_tokens=add_special_tokens)
+            except TypeError:
+                for text in batch:
+                    try:
+                        out += encode([text], add_special_tokens=add_special_tokens)
+                    except TypeError:
+                        out.append(_unencodable(text))
         return out
 
     def encode(self, samples: Sequence[Sample | BadRecord]) -> list[Encoded | BadRecord]:
@@ -195,30 +213,37 @@ class SampleEncoder:
                     pending[i] = self._prepare(s)
             except BadRecord as e:
                 out[i] = e
-        plain = [(i, p) for i, p in pending.items() if p.kind == "chat"]
-        special = [(i, p) for i, p in pending.items() if p.kind != "chat"]
-        if plain:
-            encs = self._encode_batch([p.texts[0] for _, p in plain], False)
-            for (i, p), enc in zip(plain, encs, strict=True):
-                out[i] = Encoded(np.asarray(enc.ids, np.int32), _span_mask(enc, p.spans))
-        if special:
-            firsts = self._encode_batch([p.texts[0] for _, p in special], True, offsets=False)
-            seconds_idx = [(i, p) for i, p in special if len(p.texts) > 1]
-            seconds = self._encode_batch([p.texts[1] for _, p in seconds_idx], False, offsets=False)
-            second_of = {i: enc for (i, _), enc in zip(seconds_idx, seconds, strict=True)}
-            eos = [] if self.eos_id is None else [self.eos_id]
-            for (i, _p), enc in zip(special, firsts, strict=True):
-                head = list(enc.ids)
-                if i in second_of:  # plain prompt + completion: loss on the completion + EOS
-                    tail = list(second_of[i].ids) + eos
-                    ids = head + tail
-                    mask = np.concatenate(
-                        [np.zeros(len(head), np.bool_), np.ones(len(tail), np.bool_)]
-                    )
-                else:  # text: loss on every token, EOS appended
-                    ids = head + eos if not head or head[-1] != self.eos_id else head
-                    mask = np.ones(len(ids), np.bool_)
+        chats = [(i, p) for i, p in pending.items() if p.kind == "chat"]
+        pairs = [(i, p) for i, p in pending.items() if p.kind == "plain_pc"]
+        texts = [(i, p) for i, p in pending.items() if p.kind == "text"]
+        eos = [] if self.eos_id is None else [self.eos_id]
+        if chats:
+            encs = self._encode_batch([p.texts[0] for _, p in chats], False)
+            for (i, p), enc in zip(chats, encs, strict=True):
+                out[i] = (
+                    enc
+                    if isinstance(enc, BadRecord)
+                    else Encoded(np.asarray(enc.ids, np.int32), _span_mask(enc, p.spans))
+                )
+        if pairs:  # plain prompt + completion: loss on the completion's tokens and EOS
+            encs = self._encode_batch([p.texts[0] for _, p in pairs], True)
+            for (i, p), enc in zip(pairs, encs, strict=True):
+                if isinstance(enc, BadRecord):
+                    out[i] = enc
+                    continue
+                ids, mask = list(enc.ids), _span_mask(enc, p.spans)
+                if eos and (not ids or ids[-1] != self.eos_id):
+                    ids, mask = ids + eos, np.append(mask, True)
                 out[i] = Encoded(np.asarray(ids, np.int32), mask)
+        if texts:  # text: loss on every token, EOS appended
+            encs = self._encode_batch([p.texts[0] for _, p in texts], True, offsets=False)
+            for (i, _p), enc in zip(texts, encs, strict=True):
+                if isinstance(enc, BadRecord):
+                    out[i] = enc
+                    continue
+                ids = list(enc.ids)
+                ids = ids + eos if not ids or ids[-1] != self.eos_id else ids
+                out[i] = Encoded(np.asarray(ids, np.int32), np.ones(len(ids), np.bool_))
         result: list[Encoded | BadRecord] = []
         for r in out:
             assert r is not None
@@ -226,6 +251,19 @@ class SampleEncoder:
                 r = BadRecord("no_loss_tokens", "the sample has no loss tokens")
             result.append(r)
         return result
+
+
+def _unencodable(text: str) -> BadRecord:
+    """The BadRecord of a text the Rust encoder refuses: UTF-8 cannot hold a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return BadRecord(
+            "invalid_utf8",
+            f"the record holds a lone surrogate {text[e.start]!r} (a cut \\uD8xx escape, as "
+            "a truncated emoji leaves); UTF-8 cannot hold it",
+        )
+    return BadRecord("invalid_utf8", "the tokenizer cannot encode the text")
 
 
 def checked_ids(values: Sequence[int], upper: int, whose: str) -> np.ndarray:
@@ -273,10 +311,20 @@ def _first_token_from(enc: Any, start: int, end: int) -> int | None:
 
 
 def _last_token_before(enc: Any, start: int, end: int) -> int | None:
-    """Index of the last token whose start offset is in [start, end)."""
+    """Index of the last token whose start offset is in [start, end). Several tokens may
+    start at one character (a SentencePiece '▁' and the token after it; the byte-fallback
+    tokens of one character): char_to_token names the first of them, so later ones that still
+    start before `end` are taken too."""
     for c in range(end - 1, start - 1, -1):
         t = enc.char_to_token(c)
         if t is None:
             continue
-        return t if enc.token_to_chars(t)[0] >= start else None
+        if enc.token_to_chars(t)[0] < start:
+            return None
+        while t + 1 < len(enc):
+            chars = enc.token_to_chars(t + 1)
+            if chars is None or not start <= chars[0] < end:
+                break
+            t += 1
+        return t
     return None

@@ -78,6 +78,13 @@ def test_usage_errors_exit_2(capsys):
 def test_zigzag_pad_multiple_and_tokenizerless_pretokenized():
     cfg = config_from_args([*BASE, "--pad-multiple", "16"])
     assert cfg.pad_multiple == 16
+    one = ["--input", "x", "--output", "o", "--tokenizer", "t", "--seq-len", "63", "--cp", "1"]
+    # one CP rank splits nothing: zigzag at cp 1 takes any pad multiple (the stream agrees)
+    assert (
+        config_from_args([*one, "--cp-layout", "zigzag", "--pad-multiple", "1"]).pad_multiple == 1
+    )
+    with pytest.raises(ValueError, match="--pad-multiple 3 does not suit --cp 2"):
+        config_from_args([*one[:-1], "2", "--seq-len", "66", "--pad-multiple", "3"])
     with pytest.raises(ValueError, match="--tokenizer"):
         config_from_args(["--input", "x", "--output", "o", "--seq-len", "64", "--cp", "8"])
     assert (
@@ -242,3 +249,14 @@ def test_shards_smaller_than_a_window_are_warned_about():
     assert config_from_args(huge).warnings() == []
     (w,) = config_from_args([*base, "--shard-tokens", "1000", "--window", "4"]).warnings()
     assert w.startswith("--shard-tokens 1,000 is below one packing window (--window 4 rows x")
+
+
+def test_python_literals_in_key_values_read_as_json_ones():
+    """`--template-kwarg enable_thinking=False` was the string 'False', which a chat template
+    takes as true; `--storage-option anon=False` the same for a filesystem."""
+    from packshard.pipeline.options import parse_key_values
+
+    got = parse_key_values(["a=False", "b=True", "c=None", "d=false", "e=1", "f=Falsey", "g=x=y"])
+    assert got == {"a": False, "b": True, "c": None, "d": False, "e": 1, "f": "Falsey", "g": "x=y"}
+    cfg = config_from_args([*BASE, "--template-kwarg", "enable_thinking=False"])
+    assert cfg.template_kwargs == {"enable_thinking": False}

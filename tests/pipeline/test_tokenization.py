@@ -340,6 +340,25 @@ def test_chat_loss_covers_assistant_turns_and_their_terminator(demo: SampleEncod
     ]
 
 
+def test_a_text_with_a_lone_surrogate_is_one_bad_record(demo: SampleEncoder):
+    """JSON allows "\\ud83d" (a cut emoji escape); UTF-8 cannot hold it and the Rust encoder
+    refused the whole batch it was in. That sample alone is invalid_utf8, of every kind."""
+    chat = lambda text: Chat(  # noqa: E731
+        [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]
+    )
+    cut = "truncated emoji \ud83d"
+    out = demo.encode(
+        [chat("fine"), chat(cut), Text(cut), Text("fine"), PlainPromptCompletion(cut, "x")]
+    )
+    assert [type(o).__name__ for o in out] == [
+        "Encoded", "BadRecord", "BadRecord", "Encoded", "BadRecord"
+    ]  # fmt: skip
+    for bad in (out[1], out[2], out[4]):
+        assert isinstance(bad, BadRecord) and bad.reason == "invalid_utf8"
+        assert "holds a lone surrogate '\\ud83d' (a cut" in bad.detail
+    assert out[3].ids.tolist() == [*demo.encode([Text("fine")])[0].ids.tolist()]
+
+
 def test_text_plain_prompt_completion_and_pretokenized(demo: SampleEncoder):
     eos = demo.tok.eos_token_id
     text, plain, toks = demo.encode(
@@ -589,21 +608,28 @@ def test_one_render_path_steps_aside_for_header_text_and_stray_headers(demo: Sam
 @pytest.mark.shared
 @pytest.mark.parametrize("name", ["qwen2.5-instruct", "qwen3", "phi-3-mini-instruct"])
 def test_text_and_plain_samples_take_the_tokenizers_own_ids(shared_data: Path, name: str):
-    """Texts and plain prompt/completion pairs are encoded without offsets (`encode_batch_fast`
-    where tokenizers has it): the ids are those of the tokenizer called on the text."""
+    """Texts are encoded without offsets (`encode_batch_fast` where tokenizers has it), plain
+    prompt/completion pairs joined into one text: the ids are those of the tokenizer called on
+    the text (a completion encoded alone would start with a SentencePiece space of its own:
+    Phi-3's 'A:' + '4' read 'A: 4'), the loss on the tokens that start in the completion."""
     tok = load_tokenizer(str(shared_data / "tokenizers" / name))
     enc = SampleEncoder(tok)
     with open(shared_data / "long_context/gutenberg/long_docs.jsonl") as f:
         book = json.loads(f.readline())["text"]
     texts = [book[:200_000], "  leading spaces\n\n\ttabs", "Ünïcödé — ½ 日本語 🙂", "a" * 3000, ""]
     texts += [tok.eos_token + " after an eos", f"{tok.bos_token or ''}x"]
-    out = enc.encode([Text(t) for t in texts] + [PlainPromptCompletion(t, " 4") for t in texts])
+    pairs = [(t, c) for t in texts for c in (" 4", "4")] + [("The word is: un", "believable")]
+    out = enc.encode([Text(t) for t in texts] + [PlainPromptCompletion(p, c) for p, c in pairs])
     for text, got in zip(texts, out[: len(texts)], strict=True):
         want = tok(text)["input_ids"]
         want = want if want and want[-1] == tok.eos_token_id else [*want, tok.eos_token_id]
         assert got.ids.tolist() == want and got.mask.all()
-    for text, got in zip(texts, out[len(texts) :], strict=True):
-        head = tok(text)["input_ids"]
-        tail = [*tok(" 4", add_special_tokens=False)["input_ids"], tok.eos_token_id]
-        assert got.ids.tolist() == head + tail
-        assert got.mask.tolist() == [False] * len(head) + [True] * len(tail)
+    for (prompt, completion), got in zip(pairs, out[len(texts) :], strict=True):
+        whole = tok(prompt + completion, return_offsets_mapping=True)
+        in_completion = [
+            a >= len(prompt) and b > a for a, b in whole["offset_mapping"]
+        ]  # a token that starts in the completion (special tokens have no characters)
+        assert got.ids.tolist() == [*whole["input_ids"], tok.eos_token_id], (prompt, completion)
+        assert got.mask.tolist() == [*in_completion, True], (prompt, completion)
+        if prompt[-2:] != "un":  # "un|believable": Qwen's " unbelievable" starts in the prompt
+            assert tok.decode(got.ids[got.mask][:-1]).strip() == completion.strip()
