@@ -97,6 +97,7 @@ model's own, unrotated keys.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import sys
@@ -361,6 +362,23 @@ class PackshardIndexer:
         state["_model"] = self._model() if self._model is not None else None
         state["_ranges"] = None
         return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PackshardIndexer:
+        """A deep copy of the model (reached through it) points at the model's copy; a copy
+        of a part (a layer, the handle alone) keeps pointing at the original model instead of
+        copying all of it."""
+        model = self._model() if self._model is not None else None
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key == "_model":
+                twin = memo.get(id(model)) if model is not None else None
+                new._model = weakref.ref(twin if twin is not None else model) if model else None
+            elif key == "_ranges":
+                new._ranges = None
+            else:
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         model = state.pop("_model")

@@ -89,7 +89,7 @@ class PackConfig:
                 raise bad(flag, value, f"at most {INT32_MAX:,} (format v1 stores int32)")
         if self.cp_layout not in CP_LAYOUTS:
             raise bad("--cp-layout", self.cp_layout, f"one of {list(CP_LAYOUTS)}")
-        need = CP_LAYOUTS[self.cp_layout] * self.cp
+        need = 1 if self.cp == 1 else CP_LAYOUTS[self.cp_layout] * self.cp  # cp 1 splits nothing
         if self.pad_multiple % need:
             raise ValueError(
                 f"--pad-multiple {self.pad_multiple} does not suit --cp {self.cp} --cp-layout "

@@ -256,9 +256,9 @@ def _file(fs: fsspec.AbstractFileSystem, path: str, spec: str, strict: bool = Fa
             magic = f.read(6)
         if magic[:4] == b"FEA1":  # read as a stream it fails with "Expected to read N bytes"
             raise InputError(
-                f"input {spec!r} is a Feather V1 file, which Arrow deprecates and packshard does "
-                "not read; rewrite it as an Arrow IPC file: pyarrow.feather.write_feather("
-                "pyarrow.feather.read_table(OLD), NEW)"
+                f"{fs_url(fs, path)} (input {spec!r}) is a Feather V1 file, which Arrow "
+                "deprecates and packshard does not read; rewrite it as an Arrow IPC file: "
+                "pyarrow.feather.write_feather(pyarrow.feather.read_table(OLD), NEW)"
             )
         fmt = ("arrow" if magic == b"ARROW1" else "arrow_stream", None)
     return InputFile(

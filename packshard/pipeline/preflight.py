@@ -150,11 +150,20 @@ def _refuse_relative_output_of_a_submitted_job(cfg: PackConfig, fs: Any) -> None
     path = cfg.output.removeprefix("file://")
     if "://" in path or os.path.isabs(os.path.expanduser(path)):
         return
+    try:
+        job = json.loads(os.environ[RAY_SUBMITTED_JOB_ENV])
+        copied = bool((job.get("runtime_env") or {}).get("working_dir"))
+    except (ValueError, AttributeError):
+        copied = False
+    where = (
+        f"Ray's copy of the working directory ({os.getcwd()}), which Ray deletes later"
+        if copied
+        else f"the job's directory on the head node ({os.getcwd()}), not where it was submitted from"
+    )
     raise OutputError(
         f"output {cfg.output} is a relative path, and this job was submitted with `ray job "
-        f"submit`: it would land in Ray's copy of the working directory ({os.getcwd()}), "
-        "which Ray deletes later; give an object store URL (s3://, gs://, ...) or an absolute "
-        "path on a filesystem every node of the cluster mounts"
+        f"submit`: it would land in {where}; give an object store URL (s3://, gs://, ...) or "
+        "an absolute path on a filesystem every node of the cluster mounts"
     )
 
 

@@ -196,6 +196,10 @@ def test_a_routed_model_pickles_and_copies_with_its_routing() -> None:
             and "forward" not in first_indexer(other).__dict__
         )
         assert handle.active and use_packshard_indexer(model, config=CONFIG) is handle
+    # a copy of a part (a layer, the handle) points at the original model, copying no more
+    layer = copy.deepcopy(model.model.layers[0])
+    assert layer.self_attn.indexer._packshard_indexer._model() is model
+    assert copy.deepcopy(handle)._model() is model
     handle.restore()
 
 

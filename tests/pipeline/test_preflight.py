@@ -333,11 +333,15 @@ def test_relative_output_of_a_submitted_ray_job(tmp_path: Path, good: Path, monk
     relative local OUT would land there (and each node's tasks in their own copy). Refused
     before anything is created; absolute paths, and relative ones outside a submitted job, pass."""
     monkeypatch.chdir(tmp_path)
-    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"metadata": {"job_submission_id": "x"}})}
+    shipped = {"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip"}, "metadata": {}}
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps(shipped)}
     for out in ("packed/run1", "./packed/run1", "file://packed/run1"):
         rc, err = pack(*args(good, out), env=job)
         assert rc == 1 and f"output {out} is a relative path, and this job was submitted" in err
         assert f"Ray's copy of the working directory ({tmp_path})" in err
+    bare = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {}, "metadata": {}})}
+    rc, err = pack(*args(good, "packed/run1"), env=bare)  # no --working-dir: no copy to name
+    assert rc == 1 and f"the job's directory on the head node ({tmp_path}), not where" in err
     assert not (tmp_path / "packed").exists()
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", job["RAY_JOB_CONFIG_JSON_ENV_VAR"])
     preflight(config_from_args(args(good, tmp_path / "abs")))

@@ -417,6 +417,9 @@ def test_feather_v1_is_refused_naming_it(tmp_path: Path):
         feather.write_feather(pa.table({"text": ["a b"]}), tmp_path / "v1.feather", version=1)
     with pytest.raises(InputError, match=r"is a Feather V1 file.*write_feather"):
         resolve_inputs([str(tmp_path / "v1.feather")])
+    feather.write_feather(pa.table({"text": ["a b"]}), tmp_path / "v0.feather")
+    with pytest.raises(InputError, match=r"v1\.feather \(input '.*'\) is a Feather V1 file"):
+        resolve_inputs([str(tmp_path)])  # a folder's file is named, not the folder
     feather.write_feather(pa.table({"text": ["a b"]}), tmp_path / "v2.feather")
     (f,) = resolve_inputs([str(tmp_path / "v2.feather")])
     assert count_records(f).records == 1
