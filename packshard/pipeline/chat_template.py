@@ -14,7 +14,10 @@ loss (its role is in `loss_roles`, and k >= the completion start for prompt/comp
   writes text the full chat does not have at that turn (Qwen3 with ``enable_thinking=false``
   puts an empty ``<think>`` block into the prompt, and only the last turn of the chat has one),
   the turn starts where H_k and F part, provided P_k = render(m_<k) is intact in F. Another
-  loss role starts at the end of P_k (checked to be a prefix of F).
+  loss role starts at the end of P_k when that is a prefix of F; otherwise where P_k's last
+  turn ends in F, provided P_k differs from F only by text before that turn's content (Qwen3
+  gives an assistant turn that ends P_k an empty ``<think>`` block) or by a trailer of special
+  tokens F ends with (Phi-3 closes every render with ``<|endoftext|>``).
 - end e_k: the end of the first *turn terminator* at or after s_k. The terminator is learned
   once per tokenizer from a probe chat: the first special token the template writes after an
   assistant's content (``<|im_end|>`` for Qwen, ``<|end|>`` for Phi-3, ``<|eot_id|>`` for
@@ -579,6 +582,14 @@ class ChatMasker:
                 if start > len(prior):
                     _check_not_inside_block(head, full, len(prior), start, k)
                     return start
+        else:
+            # the earlier messages alone render their last turn differently (Qwen3), or end
+            # with a trailer the full chat writes only at its end (Phi-3's <|endoftext|>)
+            after = _start_after_changed_turn(head, full, self.profile.terminator)
+            if after is None:
+                after = _start_before_trailer(head, full, self.renderer.payload.special_tokens)
+            if after is not None:
+                return after
         raise BadRecord(
             "template_not_prefix_stable",
             f"the chat template renders messages[:{k}] differently from the start of the full chat, so the loss of messages[{k}] cannot be located",
@@ -699,6 +710,40 @@ def _check_not_inside_block(head: str, full: str, turn: int, common: int, k: int
                 f"({head[turn:]!r} with these template kwargs): the turn does not follow the prompt "
                 "the model gets (reasoning content with thinking disabled?)",
             )
+
+
+def _start_before_trailer(head: str, full: str, special_tokens: Sequence[str]) -> int | None:
+    """Where the turn after `head` starts in `full`, when `head` is the full chat's start plus
+    a trailer made of special tokens that the full chat ends with (Phi-3 closes every render
+    without a generation prompt with ``<|endoftext|>``), else None."""
+    # back to a line end or special token: "<|endoftext|>" and "<|user|>" share their "<|"
+    common = _last_boundary(head, 0, _common_prefix_len(head, full), special_tokens)
+    rest = head[common:]
+    if not rest or not full.endswith(rest) or common + len(rest) >= len(full):
+        return None
+    for token in sorted((t for t in special_tokens if t), key=len, reverse=True):
+        rest = rest.replace(token, "")
+    return common if not rest.strip() else None
+
+
+def _start_after_changed_turn(head: str, full: str, term: str | None) -> int | None:
+    """Where the turn after `head` starts in `full`, when `head` (the earlier messages alone)
+    renders its last turn with text the full chat does not have before that turn's content
+    (Qwen3 gives the last assistant turn an empty ``<think>`` block, which an assistant turn
+    followed by a user or tool message does not have in the full chat), else None. Required:
+    the two part inside head's last turn (no terminator of head after it but its own), that
+    turn in `full` is the one in `head` with only text before its content removed, and what
+    follows its terminator in `head` (a line end) follows it in `full` too."""
+    if not term:
+        return None
+    common = _common_prefix_len(head, full)
+    hpos, fpos = head.find(term, common), full.find(term, common)
+    if hpos < 0 or fpos < 0 or head.find(term, hpos + len(term)) >= 0:
+        return None
+    tail = head[hpos:]
+    if full[fpos : fpos + len(tail)] != tail or not head[common:hpos].endswith(full[common:fpos]):
+        return None
+    return fpos + len(tail)
 
 
 def _last_boundary(text: str, lo: int, hi: int, tokens: Sequence[str]) -> int:

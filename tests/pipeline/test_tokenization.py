@@ -633,3 +633,46 @@ def test_text_and_plain_samples_take_the_tokenizers_own_ids(shared_data: Path, n
         assert got.mask.tolist() == [*in_completion, True], (prompt, completion)
         if prompt[-2:] != "un":  # "un|believable": Qwen's " unbelievable" starts in the prompt
             assert tok.decode(got.ids[got.mask][:-1]).strip() == completion.strip()
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "qwen3", "phi-3-mini-instruct"])
+def test_user_and_tool_loss_roles_after_an_assistant_turn(shared_data: Path, name: str):
+    """--loss-roles user / tool: Qwen3 renders an assistant turn that ends the earlier messages
+    with an empty <think> block it does not have inside the full chat, and Phi-3 closes every
+    render with <|endoftext|>; both made every user or tool turn after the first
+    template_not_prefix_stable. Each turn's span is its own (header, content, terminator), the
+    ids the template's."""
+    tok = load_tokenizer(str(shared_data / "tokenizers" / name))
+    m = lambda role, content: {"role": role, "content": content}  # noqa: E731
+
+    def spans(roles: tuple[str, ...], messages: list[dict]) -> list[str]:
+        (got,) = SampleEncoder(tok, loss_roles=roles).encode([Chat(messages)])
+        assert not isinstance(got, BadRecord), got
+        text = tok.apply_chat_template(messages, tokenize=False)
+        assert got.ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], got.mask.astype(int), [0]])))
+        return [
+            tok.decode(got.ids[a:b]).replace("\n", "")
+            for a, b in zip(edges[::2], edges[1::2], strict=True)
+        ]
+
+    chat = [m("user", "q1"), m("assistant", "a1"), m("user", "q2"), m("assistant", "a2")]
+    got = "".join(spans(("user",), chat))
+    assert "q1" in got and "q2" in got and "a1" not in got and "a2" not in got
+    assert got.count("q2") == 1 and got.endswith(text_end(name))
+    with_system = [m("system", "Be brief."), m("user", "hi"), m("assistant", "hello")]
+    got = "".join(spans(("assistant", "user"), with_system))
+    assert "hi" in got and "hello" in got and "Be brief." not in got
+    if name != "phi-3-mini-instruct":  # Phi-3's template has no tool role
+        call = {"name": "f", "arguments": {"x": 1}}
+        tools = [m("user", "q"), {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": call}]},
+                 m("tool", "42"), m("assistant", "done")]  # fmt: skip
+        got = spans(("tool",), tools)
+        assert len(got) == 1 and "42" in got[0] and "done" not in got[0] and "q" not in got[0]
+
+
+def text_end(name: str) -> str:
+    """The end-of-turn token of each template (what a user or tool span ends with)."""
+    return "<|end|>" if name.startswith("phi") else "<|im_end|>"
