@@ -593,7 +593,10 @@ def _check_shards_visible(
     except FileNotFoundError:
         listed = []
     sizes = {posixpath.basename(str(e["name"])): e.get("size") for e in listed}
-    absent = [s.path for s in shards if sizes.get(posixpath.basename(s.path)) != s.bytes]
+    absent = [s for s in shards if sizes.get(posixpath.basename(s.path)) != s.bytes]
+    # a listing may lag (an NFS client caches directory contents for up to a minute): ask for
+    # each file the listing missed by name before calling it absent
+    absent = [s.path for s in absent if _size_of(fs, f"{root}/{s.path}") != s.bytes]
     if not absent:
         return
     where = (
@@ -607,6 +610,13 @@ def _check_shards_visible(
         f"driver sees it (first: {absent[0]}): {where}. Nothing was committed; give an object "
         "store URL (s3://, gs://, ...) or a path every node shares, and rerun"
     )
+
+
+def _size_of(fs: Any, path: str) -> int | None:
+    try:
+        return fs.info(path).get("size")
+    except FileNotFoundError:
+        return None
 
 
 class _Phases:

@@ -350,7 +350,7 @@ def test_relative_output_of_a_submitted_ray_job(tmp_path: Path, good: Path, monk
     assert (tmp_path / "rel").is_dir() and (tmp_path / "abs").is_dir()
 
 
-def test_shards_the_driver_cannot_see_are_not_committed(tmp_path: Path):
+def test_shards_the_driver_cannot_see_are_not_committed(tmp_path: Path, monkeypatch):
     """A local OUT that each node of a cluster has on its own disk gets shards scattered over
     the nodes: the commit checks that every shard is at OUT, at its size, as the driver sees it."""
     from types import SimpleNamespace
@@ -371,6 +371,14 @@ def test_shards_the_driver_cannot_see_are_not_committed(tmp_path: Path):
     with pytest.raises(OutputError, match="tasks ran on 2 nodes; a local path is each node's"):
         _check_shards_visible(fs, str(tmp_path), "/out", shards, two_nodes)
     _check_shards_visible(fs, str(tmp_path), "/out", shards[:1], two_nodes)
+    real_ls = fs.ls  # a listing that lags (NFS caches directory contents): asked by name
+
+    def lagging(path: str, detail: bool = True) -> list:
+        return [e for e in real_ls(path, detail=True) if "00000" not in e["name"]]
+
+    monkeypatch.setattr(fs, "ls", lagging)
+    _check_shards_visible(fs, str(tmp_path), "/out", shards[:1], two_nodes)
+    monkeypatch.undo()
     with pytest.raises(OutputError, match="another process may have removed them"):
         _check_shards_visible(fs, str(tmp_path / "none"), "/out", shards[:1], two_nodes[:1])
 
