@@ -364,18 +364,21 @@ class PackshardIndexer:
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackshardIndexer:
-        """A deep copy of the model (reached through it) points at the model's copy; a copy
-        of a part (a layer, the handle alone) keeps pointing at the original model instead of
-        copying all of it."""
+        """A deep copy of the model (reached through it) points at the model's copy and its
+        indexers' copies; a copy of a part (a layer, the handle alone) keeps pointing at the
+        original model and at the original indexers it did not copy itself, instead of copying
+        all of them."""
         model = self._model() if self._model is not None else None
+        twin = memo.get(id(model)) if model is not None else None
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
             if key == "_model":
-                twin = memo.get(id(model)) if model is not None else None
                 new._model = weakref.ref(twin if twin is not None else model) if model else None
             elif key == "_ranges":
                 new._ranges = None
+            elif key == "modules" and twin is None:
+                new.modules = {name: memo.get(id(m), m) for name, m in value.items()}
             else:
                 setattr(new, key, copy.deepcopy(value, memo))
         return new

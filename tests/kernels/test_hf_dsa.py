@@ -175,8 +175,9 @@ def test_a_routed_model_pickles_and_copies_with_its_routing() -> None:
     import copy
     import io
 
-    model = tiny_model("deepseek_v32")
+    model = tiny_model("deepseek_v32", layers=2)
     handle = use_packshard_indexer(model, config=CONFIG)
+    assert len(handle.modules) == 2
     ids = torch.randint(0, 64, (1, 9), device=DEVICE)
     with torch.no_grad():
         want = model(ids).logits
@@ -186,10 +187,11 @@ def test_a_routed_model_pickles_and_copies_with_its_routing() -> None:
     for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
         h = other._packshard_indexer
         assert h is not handle and h._model() is other and h.active
+        assert all(m is other.get_submodule(name) for name, m in h.modules.items())
         assert use_packshard_indexer(other, config=CONFIG) is h
         with torch.no_grad():
             assert torch.equal(other(ids).logits, want)
-        assert h.calls == handle.calls + 1
+        assert h.calls == handle.calls + len(h.modules)
         h.restore()
         assert (
             not hasattr(other, "_packshard_indexer")
@@ -198,8 +200,10 @@ def test_a_routed_model_pickles_and_copies_with_its_routing() -> None:
         assert handle.active and use_packshard_indexer(model, config=CONFIG) is handle
     # a copy of a part (a layer, the handle) points at the original model, copying no more
     layer = copy.deepcopy(model.model.layers[0])
-    assert layer.self_attn.indexer._packshard_indexer._model() is model
-    assert copy.deepcopy(handle)._model() is model
+    h = layer.self_attn.indexer._packshard_indexer
+    assert h._model() is model and next(iter(h.modules.values())) is layer.self_attn.indexer
+    alone = copy.deepcopy(handle)
+    assert alone._model() is model and alone.modules == handle.modules  # the same modules
     handle.restore()
 
 
