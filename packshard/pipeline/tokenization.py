@@ -8,8 +8,9 @@ tokenizer.
   a loss token;
 - prompt + completion without a chat template: the two texts joined and tokenized once (the
   ids of the tokenizer on the whole text: a SentencePiece tokenizer encoding the completion
-  alone would start it with a space of its own), loss on the tokens that start in the
-  completion, and on EOS;
+  alone would start it with a space of its own), loss on every token holding some of the
+  completion (a token merging the prompt's last space with the completion's first word is
+  the completion's), and on EOS;
 - pre-tokenized ids: checked against the vocabulary size, kept as they are.
 
 A token is a loss token when it *starts* inside a loss span: Phi-3's ``<|assistant|>`` token
@@ -231,9 +232,11 @@ class SampleEncoder:
                 if isinstance(enc, BadRecord):
                     out[i] = enc
                     continue
-                ids, mask = list(enc.ids), _span_mask(enc, p.spans)
+                ids, mask = list(enc.ids), _overlap_mask(enc, p.spans[0])
                 if eos and (not ids or ids[-1] != self.eos_id):
                     ids, mask = ids + eos, np.append(mask, True)
+                elif ids and ids[-1] == self.eos_id:
+                    mask[-1] = True  # the tokenizer's own EOS (its post-processor adds one)
                 out[i] = Encoded(np.asarray(ids, np.int32), mask)
         if texts:  # text: loss on every token, EOS appended
             encs = self._encode_batch([p.texts[0] for _, p in texts], True, offsets=False)
@@ -294,6 +297,16 @@ def _span_mask(enc: Any, spans: list[tuple[int, int]]) -> np.ndarray:
         if first is not None and last is not None and last >= first:
             mask[first : last + 1] = True
     return mask
+
+
+def _overlap_mask(enc: Any, span: tuple[int, int]) -> np.ndarray:
+    """Loss mask of a plain prompt + completion: every token holding some of the completion's
+    characters. Unlike a chat turn (which a special token separates from what precedes it), a
+    completion often merges with the prompt's end ('Answer: ' + 'Paris' is one token
+    ' Paris'): that token is the completion's target, predicted from the prompt."""
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    start, end = span
+    return (offsets[:, 1] > start) & (offsets[:, 0] < end) & (offsets[:, 1] > offsets[:, 0])
 
 
 def _first_token_from(enc: Any, start: int, end: int) -> int | None:

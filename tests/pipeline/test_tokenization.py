@@ -619,6 +619,7 @@ def test_text_and_plain_samples_take_the_tokenizers_own_ids(shared_data: Path, n
     texts = [book[:200_000], "  leading spaces\n\n\ttabs", "Ünïcödé — ½ 日本語 🙂", "a" * 3000, ""]
     texts += [tok.eos_token + " after an eos", f"{tok.bos_token or ''}x"]
     pairs = [(t, c) for t in texts for c in (" 4", "4")] + [("The word is: un", "believable")]
+    pairs += [("Sentiment: ", "positive"), ("A: ", "Paris"), ("Hel", "lo")]  # merged at the seam
     out = enc.encode([Text(t) for t in texts] + [PlainPromptCompletion(p, c) for p, c in pairs])
     for text, got in zip(texts, out[: len(texts)], strict=True):
         want = tok(text)["input_ids"]
@@ -627,12 +628,12 @@ def test_text_and_plain_samples_take_the_tokenizers_own_ids(shared_data: Path, n
     for (prompt, completion), got in zip(pairs, out[len(texts) :], strict=True):
         whole = tok(prompt + completion, return_offsets_mapping=True)
         in_completion = [
-            a >= len(prompt) and b > a for a, b in whole["offset_mapping"]
-        ]  # a token that starts in the completion (special tokens have no characters)
+            b > len(prompt) and b > a for a, b in whole["offset_mapping"]
+        ]  # a token holding some of the completion (special tokens have no characters)
         assert got.ids.tolist() == [*whole["input_ids"], tok.eos_token_id], (prompt, completion)
         assert got.mask.tolist() == [*in_completion, True], (prompt, completion)
-        if prompt[-2:] != "un":  # "un|believable": Qwen's " unbelievable" starts in the prompt
-            assert tok.decode(got.ids[got.mask][:-1]).strip() == completion.strip()
+        trained = tok.decode(got.ids[got.mask][:-1]).strip()
+        assert trained.endswith(completion.strip()) and len(trained) <= len(completion) + 3
 
 
 @pytest.mark.shared
@@ -676,3 +677,25 @@ def test_user_and_tool_loss_roles_after_an_assistant_turn(shared_data: Path, nam
 def text_end(name: str) -> str:
     """The end-of-turn token of each template (what a user or tool span ends with)."""
     return "<|end|>" if name.startswith("phi") else "<|im_end|>"
+
+
+@pytest.mark.shared
+def test_a_pairs_eos_added_by_the_tokenizer_is_trained(shared_data: Path):
+    """A tokenizer whose post-processor appends EOS (add_eos_token configs): the pair's text
+    already ends in it, so none is appended, and that EOS is the stop target all the same."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    base = load_tokenizer(str(shared_data / "tokenizers" / "qwen2.5-instruct"))
+    rust = Tokenizer.from_str(base.backend_tokenizer.to_str())
+    eos, eos_id = base.eos_token, base.eos_token_id
+    rust.post_processor = processors.TemplateProcessing(
+        single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)]
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=rust, eos_token=eos)
+    enc = SampleEncoder(tok)
+    assert not enc.has_chat_template
+    (got,) = enc.encode([PlainPromptCompletion("Q: ", "A")])
+    assert not isinstance(got, BadRecord)
+    assert got.ids.tolist() == tok("Q: A")["input_ids"] and got.ids.tolist().count(eos_id) == 1
+    assert got.mask[-1] and got.mask.sum() == 2  # " A" and EOS
