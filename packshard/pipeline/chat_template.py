@@ -613,8 +613,21 @@ class ChatMasker:
         turn = two[len(one) :] if two.startswith(one) else ""
         start = len(one) - len(turn)
         if not turn or not one.endswith(turn) or not full.startswith(one[:start]):
+            if tools is not None and self.profile.renders_tools:
+                # the tools block comes first, and how far it reaches cannot be told (two tool
+                # messages render as one turn): the loss would fall on the tools block
+                raise BadRecord(
+                    "template_not_prefix_stable",
+                    "the template writes its tools block before messages[0], and where "
+                    "messages[0]'s turn starts after it cannot be told",
+                )
             start = 0
-        return start + (self._assistant_header_len(full, start, msgs[0]) if assistant else 0)
+        if not assistant:
+            return start
+        cut = self._assistant_header_len(full, start, msgs[0])
+        if self.profile.header is not None and cut:  # as later turns are checked
+            _check_not_inside_block(full[:start] + self.profile.header, full, start, start + cut, 0)
+        return start + cut
 
     def _assistant_header_len(self, full: str, start: int, message: dict[str, Any]) -> int:
         """Length of the assistant header at full[start:]: the generation prompt's part the

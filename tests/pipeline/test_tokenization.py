@@ -699,3 +699,28 @@ def test_a_pairs_eos_added_by_the_tokenizer_is_trained(shared_data: Path):
     assert not isinstance(got, BadRecord)
     assert got.ids.tolist() == tok("Q: A")["input_ids"] and got.ids.tolist().count(eos_id) == 1
     assert got.mask[-1] and got.mask.sum() == 2  # " A" and EOS
+
+
+@pytest.mark.shared
+def test_first_turns_that_cannot_be_located_are_refused(shared_data: Path):
+    """messages[0] as a tool response after Qwen's tools block (two tool messages render as
+    one turn, so the double render finds no turn): its loss fell on the tools block. Qwen3 with
+    thinking off and a first assistant message holding its own <think> block: the loss began
+    inside the block (later turns were refused as content_inside_generation_prompt)."""
+    path = str(shared_data / "tokenizers" / "qwen3")
+    tools = [{"type": "function", "function": {"name": "f", "description": "d",
+              "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+    first_tool = Chat(
+        [{"role": "tool", "content": "RESULT"}, {"role": "assistant", "content": "ok"}], tools
+    )
+    (got,) = SampleEncoder(load_tokenizer(path), loss_roles=("tool", "assistant")).encode(
+        [first_tool]
+    )
+    assert isinstance(got, BadRecord) and got.reason == "template_not_prefix_stable"
+    think = {"role": "assistant", "content": "<think>\nz\n</think>\n\nw", "reasoning_content": ""}
+    off = SampleEncoder(load_tokenizer(path), template_kwargs={"enable_thinking": False})
+    chat = [think, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    (got,) = off.encode([Chat(chat)])
+    assert isinstance(got, BadRecord) and got.reason == "content_inside_generation_prompt"
+    (fine,) = off.encode([Chat([{"role": "assistant", "content": "w"}, *chat[1:]])])
+    assert not isinstance(fine, BadRecord)
