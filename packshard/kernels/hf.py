@@ -370,6 +370,11 @@ class PackshardIndexer:
         all of them."""
         model = self._model() if self._model is not None else None
         twin = memo.get(id(model)) if model is not None else None
+        # the indexers this deepcopy copies: those inside the module it was called on (the
+        # first object it memoises; a layer, model.model), found among the model's modules
+        root = next(iter(memo), None)
+        top = next((m for m in model.modules() if id(m) == root), None) if model else None
+        copied = {id(m) for m in top.modules()} if top is not None else set()
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
@@ -378,7 +383,10 @@ class PackshardIndexer:
             elif key == "_ranges":
                 new._ranges = None
             elif key == "modules" and twin is None:
-                new.modules = {name: memo.get(id(m), m) for name, m in value.items()}
+                new.modules = {
+                    name: copy.deepcopy(m, memo) if id(m) in copied else m
+                    for name, m in value.items()
+                }
             else:
                 setattr(new, key, copy.deepcopy(value, memo))
         return new

@@ -204,6 +204,16 @@ def test_a_routed_model_pickles_and_copies_with_its_routing() -> None:
     assert h._model() is model and next(iter(h.modules.values())) is layer.self_attn.indexer
     alone = copy.deepcopy(handle)
     assert alone._model() is model and alone.modules == handle.modules  # the same modules
+    inner = copy.deepcopy(model.model)  # both routed layers are copied: the copy's, not ours
+    h = inner.layers[0].self_attn.indexer._packshard_indexer
+    assert h is inner.layers[1].self_attn.indexer._packshard_indexer and h._model() is model
+    assert [m is inner.layers[i].self_attn.indexer for i, m in enumerate(h.modules.values())] == [
+        True,
+        True,
+    ]
+    h.restore()
+    assert not any("forward" in layer.self_attn.indexer.__dict__ for layer in inner.layers)
+    assert handle.active
     handle.restore()
 
 
