@@ -305,8 +305,17 @@ def _overlap_mask(enc: Any, span: tuple[int, int]) -> np.ndarray:
     completion often merges with the prompt's end ('Answer: ' + 'Paris' is one token
     ' Paris'): that token is the completion's target, predicted from the prompt."""
     offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    a, b = offsets[:, 0], offsets[:, 1]
     start, end = span
-    return (offsets[:, 1] > start) & (offsets[:, 0] < end) & (offsets[:, 1] > offsets[:, 0])
+    mask = (b > start) & (a < end) & (b > a)
+    # a whitespace token a ByteLevel post-processor trims to no width (trim_offsets: code
+    # indentation) sits where its whitespace ended; special tokens the tokenizer adds have none
+    special = np.asarray(enc.special_tokens_mask, dtype=np.bool_)
+    mask |= (a == b) & ~special & (a > start) & (a <= end)
+    if mask.any():  # and every token between the completion's first and last
+        hit = np.flatnonzero(mask)
+        mask[hit[0] : hit[-1] + 1] = True
+    return mask
 
 
 def _first_token_from(enc: Any, start: int, end: int) -> int | None:

@@ -699,6 +699,16 @@ def test_a_pairs_eos_added_by_the_tokenizer_is_trained(shared_data: Path):
     assert not isinstance(got, BadRecord)
     assert got.ids.tolist() == tok("Q: A")["input_ids"] and got.ids.tolist().count(eos_id) == 1
     assert got.mask[-1] and got.mask.sum() == 2  # " A" and EOS
+    # a ByteLevel post-processor that trims offsets leaves whitespace tokens no width (code
+    # indentation): those inside the completion are trained all the same
+    rust.post_processor = processors.ByteLevel(trim_offsets=True)
+    tok = PreTrainedTokenizerFast(tokenizer_object=rust, eos_token=eos)
+    code = "    if x:\n        return 1\n    return 2"
+    (got,) = SampleEncoder(tok).encode([PlainPromptCompletion("def f():\n", code)])
+    assert not isinstance(got, BadRecord)
+    prompt_len = len(tok("def f():\n")["input_ids"])
+    assert got.ids.tolist()[:-1] == tok("def f():\n" + code)["input_ids"]
+    assert not got.mask[:prompt_len].any() and got.mask[prompt_len:].all()
 
 
 @pytest.mark.shared
