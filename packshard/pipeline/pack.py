@@ -588,6 +588,7 @@ def _check_shards_visible(
     as this driver sees it, at its size: a local OUT that is not one filesystem for every node
     (a path on each node's own disk) gets shards scattered over the nodes. One listing of
     OUT/shards; nothing is committed when it fails."""
+    fs.invalidate_cache(f"{root}/shards")  # s3fs / gcsfs answer ls and info from a cache
     try:
         listed = fs.ls(f"{root}/shards", detail=True)
     except FileNotFoundError:

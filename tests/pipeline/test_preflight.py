@@ -377,7 +377,10 @@ def test_shards_the_driver_cannot_see_are_not_committed(tmp_path: Path, monkeypa
         return [e for e in real_ls(path, detail=True) if "00000" not in e["name"]]
 
     monkeypatch.setattr(fs, "ls", lagging)
+    dropped: list[str] = []  # s3fs and gcsfs answer ls and info from a cache: dropped first
+    monkeypatch.setattr(fs, "invalidate_cache", dropped.append)
     _check_shards_visible(fs, str(tmp_path), "/out", shards[:1], two_nodes)
+    assert dropped == [f"{tmp_path}/shards"]
     monkeypatch.undo()
     with pytest.raises(OutputError, match="another process may have removed them"):
         _check_shards_visible(fs, str(tmp_path / "none"), "/out", shards[:1], two_nodes[:1])
