@@ -569,12 +569,11 @@ def _pack(
         raise AssertionError(
             f"shards account for {merged['totals']['samples_in']} samples of {num_samples}"
         )
-    _check_shards_visible(
-        fs, root, cfg.output, [r.record for r in ordered], scheduler.node_summary()
-    )
+    records, nodes = [r.record for r in ordered], scheduler.node_summary()
+    _check_shards_visible(fs, root, cfg.output, records, nodes)
     manifest = finalize_dataset(
-        fs, root, config, [r.record for r in ordered], merged["totals"],
-        extra={"skipped_examples": merged["examples"], "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3), "nodes": scheduler.node_summary()}},
+        fs, root, config, records, merged["totals"],
+        extra={"skipped_examples": merged["examples"], "job": {"workers": workers, "seconds": round(time.perf_counter() - t0, 3), "nodes": nodes}},
     )  # fmt: skip
     remove_job_state(fs, root)
     phase("committed index.arrow and manifest.json")
@@ -587,7 +586,8 @@ def _check_shards_visible(
     """OutputError unless every shard the tasks wrote (and verified where they ran) is at OUT
     as this driver sees it, at its size: a local OUT that is not one filesystem for every node
     (a path on each node's own disk) gets shards scattered over the nodes. One listing of
-    OUT/shards; nothing is committed when it fails."""
+    OUT/shards, and a lookup by name of each shard it misses; nothing is committed when it
+    fails."""
     fs.invalidate_cache(f"{root}/shards")  # s3fs / gcsfs answer ls and info from a cache
     try:
         listed = fs.ls(f"{root}/shards", detail=True)

@@ -15,8 +15,9 @@ imported (together 3-14 s on a 2-core machine). The checks cost what they read:
   name says plain fails, whatever ``--skip-bad-records`` says. Without ``--skip-bad-records``
   a file whose first record has no sample fields fails too; other bad records are the job's to
   report, in input order (a first line that does not parse is reported here when it is the
-  first input's, or when a later file fails: either way it comes first). A file listed twice is packed twice, with a warning, and a
-  directory or glob's files of other types are named in a warning;
+  first input's, or when a later file fails: either way it comes first). A file listed twice
+  is packed twice, with a warning, and a directory or glob's files of other types are named in
+  a warning;
 - tokenizer: `tokenizer_loading.locate_tokenizer` (a directory that does not exist, a hub name
   that is offline and not cached, a hub that cannot be reached), without loading it; checked
   before the inputs, so that a file whose first record (or a table whose columns) holds chats
