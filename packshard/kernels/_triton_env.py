@@ -8,18 +8,12 @@ function; this reads it at call time, which the tests keep equal (tests/conftest
 
 from __future__ import annotations
 
-import os
-
-# What Triton's C++ getBoolEnv takes for on, for a Triton without `triton.knobs`
-_TRUTHY = ("1", "true", "on")
-
 
 def interpreting() -> bool:
     """Whether the variable is on as the installed Triton reads it: through its own knob
-    (`triton.knobs.runtime.interpret`), so the words it takes for on are its own (3.6 and 3.9
-    take 1/true/on/yes/y in any case) and a value set in code counts too."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUTHY
+    (`triton.knobs.runtime.interpret`, in every Triton the kernels extra allows, >= 3.6), so the
+    words it takes for on are its own (3.6 and 3.9 take 1/true/on/yes/y in any case) and a
+    value set in code counts too."""
+    from triton import knobs
+
     return bool(knobs.runtime.interpret)
