@@ -198,6 +198,15 @@ class SampleEncoder:
                         out.append(_unencodable(text))
         return out
 
+    def _ending_in_eos(self, ids: list[int], mask: np.ndarray) -> Encoded:
+        """A text's or pair's ids ending in EOS, a loss token: appended unless the tokenizer
+        already ends the text with it (its post-processor adds one, or the text holds it)."""
+        if self.eos_id is not None and ids and ids[-1] == self.eos_id:
+            mask[-1] = True
+        elif self.eos_id is not None:
+            ids, mask = [*ids, self.eos_id], np.append(mask, True)
+        return Encoded(np.asarray(ids, np.int32), mask)
+
     def encode(self, samples: Sequence[Sample | BadRecord]) -> list[Encoded | BadRecord]:
         """Encode a batch (one Rust batch call per kind); BadRecords pass through, new ones
         replace samples that fail."""
@@ -217,7 +226,6 @@ class SampleEncoder:
         chats = [(i, p) for i, p in pending.items() if p.kind == "chat"]
         pairs = [(i, p) for i, p in pending.items() if p.kind == "plain_pc"]
         texts = [(i, p) for i, p in pending.items() if p.kind == "text"]
-        eos = [] if self.eos_id is None else [self.eos_id]
         if chats:
             encs = self._encode_batch([p.texts[0] for _, p in chats], False)
             for (i, p), enc in zip(chats, encs, strict=True):
@@ -232,21 +240,14 @@ class SampleEncoder:
                 if isinstance(enc, BadRecord):
                     out[i] = enc
                     continue
-                ids, mask = list(enc.ids), _overlap_mask(enc, p.spans[0])
-                if eos and (not ids or ids[-1] != self.eos_id):
-                    ids, mask = ids + eos, np.append(mask, True)
-                elif ids and ids[-1] == self.eos_id:
-                    mask[-1] = True  # the tokenizer's own EOS (its post-processor adds one)
-                out[i] = Encoded(np.asarray(ids, np.int32), mask)
+                out[i] = self._ending_in_eos(list(enc.ids), _overlap_mask(enc, p.spans[0]))
         if texts:  # text: loss on every token, EOS appended
             encs = self._encode_batch([p.texts[0] for _, p in texts], True, offsets=False)
             for (i, _p), enc in zip(texts, encs, strict=True):
                 if isinstance(enc, BadRecord):
                     out[i] = enc
                     continue
-                ids = list(enc.ids)
-                ids = ids + eos if not ids or ids[-1] != self.eos_id else ids
-                out[i] = Encoded(np.asarray(ids, np.int32), np.ones(len(ids), np.bool_))
+                out[i] = self._ending_in_eos(list(enc.ids), np.ones(len(enc.ids), np.bool_))
         result: list[Encoded | BadRecord] = []
         for r in out:
             assert r is not None
