@@ -137,7 +137,7 @@ def cp_slices(
     if cp_size == 1:
         return [slice(0, length)]
     chunks = CP_LAYOUTS[layout][0]
-    if length % (chunks * cp_size):
+    if length % row_divisor(cp_size, layout):
         cp_positions(length, cp_size, cp_rank, layout, row=row)  # raises the error
     size = length // (chunks * cp_size)
     firsts = [cp_rank, 2 * cp_size - 1 - cp_rank][:chunks]
