@@ -167,12 +167,13 @@ def start_local_ray(num_cpus: int | None) -> None:
     try:
         for attempt in range(1, RAY_START_ATTEMPTS + 1):
             try:
-                ray.init(
-                    address="local",
-                    num_cpus=num_cpus,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                )
+                with _ctrl_c_after_start():
+                    ray.init(
+                        address="local",
+                        num_cpus=num_cpus,
+                        include_dashboard=False,
+                        logging_level=logging.WARNING,
+                    )
                 return
             except Exception as e:  # ray/_private/node.py raises exactly Exception for this case
                 # Ray's driver gives the node 30 s to register; a loaded machine can miss that.
@@ -192,6 +193,40 @@ def start_local_ray(num_cpus: int | None) -> None:
     except BaseException:
         _stop_new_processes(before)
         raise
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_start() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives while `ray.init` starts the local node until it returns (then
+    raise KeyboardInterrupt, and `start_local_ray` stops what it started); a second Ctrl-C
+    raises at once. Raised inside `ray.init`, the interrupt can land after Ray 2.60 made this
+    process's core worker and before Python holds it: no `ray.shutdown` can stop it then, and
+    the process crashed with SIGSEGV at exit (Ray's metrics thread outlives the worker it
+    reads; 2 of 7 Ctrl-Cs late in the start, seen with gdb). Holding it adds little: raised
+    inside `ray.init`, a Ctrl-C surfaced only once its blocking calls returned (3-12 s after the
+    key on a loaded machine)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[int] = []
+
+    def hold(_signum: int, _frame: Any) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(1)
+        os.write(  # not print: this may run inside a print of the main thread
+            2, b"packshard pack: stopping once the local Ray has started (Ctrl-C again: now)\n"
+        )
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def _descendants() -> set[int]:

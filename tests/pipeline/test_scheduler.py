@@ -256,3 +256,36 @@ def test_a_failed_ray_start_stops_the_ray_processes_it_started(
         for pid in nodes:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_a_ctrl_c_while_ray_starts_is_held_until_the_start_returns(
+    monkeypatch: pytest.MonkeyPatch, presses: int
+):
+    """Raised inside `ray.init`, a Ctrl-C can land after Ray made the driver's core worker and
+    before Python holds it; the process then crashed with SIGSEGV at exit. One Ctrl-C is held
+    until `ray.init` returns, and the start is then stopped (`ray.shutdown` among it); a second
+    one raises at once."""
+    import os
+    import signal
+
+    import ray
+
+    finished: list[bool] = []
+    shutdowns: list[int] = []
+
+    def init(**_: Any) -> None:
+        for _ in range(presses):
+            os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100):  # the handler runs between these bytecodes
+            pass
+        finished.append(True)
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        start_local_ray(num_cpus=1)
+    assert finished == ([True] if presses == 1 else [])
+    assert shutdowns == [1]
+    assert signal.getsignal(signal.SIGINT) is before
