@@ -18,8 +18,13 @@ _QUERY_SCHEMES = frozenset({"http", "https"})  # "?" starts a query; elsewhere i
 _CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@account
 # a query tail starts with ``key=`` (``s3://b/day=0?/lang=en/*.jsonl`` is a Hive-style glob)
 _QUERY = re.compile(r"[A-Za-z0-9_.~-]+=.*", re.DOTALL)
-# a URL in prose: trailing punctuation (",", ".", ")", ...) belongs to the sentence
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,;:)\]]")
+# where a URL starts in prose (`redact_text` finds where it ends)
+_SCHEME_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://")
+# after a URL in prose: trailing punctuation belongs to the sentence
+_SENTENCE_PUNCTUATION = "'.,;:)]}"
+# fsspec's chained URLs (``zip://member::http://host/a.zip``, ``simplecache::s3://b/x``): a
+# "::" before a protocol name (an IPv6 host's "[::1]" is none)
+_CHAIN = re.compile(r"::(?=[A-Za-z][A-Za-z0-9+.-]*(?:://|::|$))")
 # user info outside a URL: ``name:secret@`` right before a host or bucket name (an AWS
 # secret may hold "/")
 _USER_INFO = re.compile(
@@ -94,6 +99,9 @@ def redact_url(url: str) -> str:
     """
     if "://" not in url or url.startswith(DEMO_SCHEME):
         return url
+    parts = _CHAIN.split(url)
+    if len(parts) > 1:
+        return "::".join(redact_url(p) for p in parts)
     scheme, _, rest = url.partition("://")
     if scheme.lower() in _QUERY_SCHEMES:
         rest = rest.split("#", 1)[0].split("?", 1)[0]
@@ -113,8 +121,43 @@ def redact_url(url: str) -> str:
 def redact_text(text: str) -> str:
     """`text` (an error message, a log line) with every ``scheme://...`` URL in it redacted,
     and any ``user:password@`` left outside one removed (libraries quote a URL's parts:
-    gcsfs logs ``bucket name alice:PW@bucket`` for ``gs://alice:PW@bucket/x``)."""
-    return _USER_INFO.sub("", _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text))
+    gcsfs logs ``bucket name alice:PW@bucket`` for ``gs://alice:PW@bucket/x``).
+
+    A URL ends at whitespace, ``"``, ``<`` or ``>``. In quotes (``'...'``, as ``repr`` and
+    libraries quote it) it ends at a closing quote: one followed by the text's end, whitespace
+    or punctuation, so a ``'`` inside it (legal in user info and queries) does not cut it short;
+    in prose, punctuation at its end belongs to the sentence."""
+    out: list[str] = []
+    pos = 0
+    for m in _SCHEME_IN_TEXT.finditer(text):
+        start = m.start()
+        if start < pos:  # inside a URL already redacted (the next part of a chained URL)
+            continue
+        end = _url_end(text, start, text[start - 1] if start else "")
+        out += [text[pos:start], redact_url(text[start:end])]
+        pos = end
+    out.append(text[pos:])
+    return _USER_INFO.sub("", "".join(out))
+
+
+def _url_end(text: str, start: int, opening: str) -> int:
+    """Where the URL at `start` ends (see `redact_text`); `opening` is the character before it."""
+    quote = opening if opening in ("'", '"') else ""
+    end = start
+    while end < len(text):
+        c = text[end]
+        if c.isspace() or c in '"<>':
+            break
+        if c == "'" and quote == "'":
+            after = text[end + 1 : end + 2]
+            if not after or after.isspace() or after in _SENTENCE_PUNCTUATION + '"':
+                break
+        end += 1
+    if quote:
+        return end
+    while end > start and text[end - 1] in _SENTENCE_PUNCTUATION:
+        end -= 1
+    return end
 
 
 class RedactingFilter(logging.Filter):

@@ -24,6 +24,11 @@ from packshard.packers.urls import RedactingFilter, redact_text, redact_url
         # AWS secret keys hold "/" (unencoded in a URL: the authority is not cut there)
         ("s3://AKIA:SE/CR+ET@bucket/a.jsonl", "s3://bucket/a.jsonl"),
         ("gs://u:SE/CRET@bkt/o", "gs://bkt/o"),
+        # fsspec's chained URLs: each part
+        ("zip://ds::http://alice:SECRET@h/ds.zip", "zip://ds::http://h/ds.zip"),
+        ("simplecache::s3://AKIA:SECRET@b/x.jsonl", "simplecache::s3://b/x.jsonl"),
+        ("tar://a::zip://b::https://h/c.zip?sig=SECRET", "tar://a::zip://b::https://h/c.zip"),
+        ("http://[::1]:8080/x.jsonl?sig=SECRET", "http://[::1]:8080/x.jsonl"),  # no chain
     ],
 )
 def test_redact_url_strips_user_info_and_query(url: str, expected: str) -> None:
@@ -62,6 +67,38 @@ def test_redact_text_redacts_every_url_in_a_message() -> None:
     assert out == (
         "input 'http://h/x.jsonl' line 3: bad JSON; also tried https://h2/y, and /local/path?x"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # "'" is legal in user info and queries: repr then quotes the URL with '"'
+        (
+            """input "http://alice:pa'SECRET@h/missing.jsonl" does not exist""",
+            'input "http://h/missing.jsonl" does not exist',
+        ),
+        (
+            "reading http://alice:pa'SECRET@h:80/q9.jsonl failed: 503",
+            "reading http://h:80/q9.jsonl failed: 503",
+        ),
+        # aiohttp quotes its URL in "'" whatever it holds
+        (
+            "ClientResponseError: 503, url='http://h/x.jsonl?sig=a'SECRET')",
+            "ClientResponseError: 503, url='http://h/x.jsonl')",
+        ),
+        (
+            "tried ['http://h/a.jsonl', 'http://u:SECRET@h/b.jsonl?sig=SECRET']",
+            "tried ['http://h/a.jsonl', 'http://h/b.jsonl']",
+        ),
+        (
+            "dataset zip://ds::http://alice:SECRET@h/ds.zip (2 shards)",
+            "dataset zip://ds::http://h/ds.zip (2 shards)",
+        ),
+        ("see http://h/x.jsonl?sig=SECRET.", "see http://h/x.jsonl."),
+    ],
+)
+def test_redact_text_finds_where_a_url_ends(text: str, expected: str) -> None:
+    assert redact_text(text) == expected
 
 
 @pytest.mark.parametrize(
