@@ -34,7 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packshard.packers import url_to_fs
-from packshard.packers.format import describe_error
+from packshard.packers.format import describe_error, storage_errors
+from packshard.packers.urls import redact_text
 from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, demo_params
 from packshard.pipeline.samples import CANONICAL_FIELDS, BadRecord
@@ -213,10 +214,16 @@ def _unreadable(f: InputFile) -> Iterator[None]:
         yield
     except InputError:
         raise
-    except (OSError, EOFError, pa.ArrowInvalid, ValueError, zlib.error) as e:
-        raise InputError(
-            f"{f.display}: unreadable {f.format} input ({type(e).__name__}: {e})"
-        ) from None
+    except (*storage_errors(), EOFError, pa.ArrowInvalid, ValueError, zlib.error) as e:
+        raise InputError(f"{f.display}: unreadable {f.format} input ({_cause(e)})") from None
+
+
+def _cause(e: BaseException) -> str:
+    """A read error's cause in one line, without secrets: a storage library's error (aiohttp's
+    for a failed GET) quotes the URL it read, a signed URL's signature included, and may not
+    pickle (a Ray task's error that does not pickle is printed whole by Ray), so the InputError
+    carries this text and not the error."""
+    return redact_text(describe_error(e))
 
 
 def _replace(f: InputFile, **changes: Any) -> InputFile:
@@ -550,8 +557,8 @@ def read_records(
                 yield _json_location(f, i, lines), records[i]
         else:
             yield from _read_table(f, start, stop, storage_options, fields)
-    except (OSError, EOFError, pa.ArrowInvalid, zlib.error) as e:
-        raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
+    except (*storage_errors(), EOFError, pa.ArrowInvalid, zlib.error) as e:
+        raise InputError(f"{f.display}: read failed ({_cause(e)})") from None
 
 
 def _read_lines(
@@ -615,8 +622,8 @@ def read_tables(
         raise ValueError(f"{f.display}: {f.format} is not a tabular format {TABLE_FORMATS}")
     try:
         yield from _table_pieces(f, start, stop, storage_options, fields)
-    except (OSError, EOFError, pa.ArrowInvalid, zlib.error) as e:
-        raise InputError(f"{f.display}: read failed ({type(e).__name__}: {e})") from None
+    except (*storage_errors(), EOFError, pa.ArrowInvalid, zlib.error) as e:
+        raise InputError(f"{f.display}: read failed ({_cause(e)})") from None
 
 
 def _table_pieces(

@@ -15,16 +15,23 @@ from typing import Any
 
 @contextmanager
 def serving(
-    root: Path, paths: list[str] | None = None, refuse: dict[str, int] | None = None
+    root: Path, paths: list[str] | None = None, refuse: dict[str, Any] | None = None
 ) -> Iterator[tuple[str, list[str]]]:
     """("127.0.0.1:port", the Authorization headers seen, in order) while the block runs; every
     request's path and query are appended to `paths` when given. While `refuse` holds a
-    "status" (an expired signature's 403, a 503), every request gets that answer."""
+    "status" (an expired signature's 403, a 503), every request gets that answer (with
+    "get_only" set, every GET: the lookup's HEAD succeeds, the read fails; with "under", only
+    the requests of paths that start with it)."""
     seen: list[str] = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
         def _refused(self) -> bool:
-            if refuse and refuse.get("status"):
+            if (
+                refuse
+                and refuse.get("status")
+                and (self.command == "GET" or not refuse.get("get_only"))
+                and self.path.startswith(str(refuse.get("under", "/")))
+            ):
                 self.send_error(refuse["status"])
                 return True
             return False

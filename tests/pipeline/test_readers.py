@@ -323,6 +323,20 @@ def test_an_http_input_that_refuses_mid_job_says_what_the_server_answered(tmp_pa
         refuse["status"] = 404
         with pytest.raises(InputError, match="the input disappeared"):
             list(read_records(f, 0, 2))
+        # the lookup succeeds and the read fails: aiohttp's error (which quotes the signed
+        # URL and does not pickle) becomes one InputError without the signature
+        refuse.clear()
+        (listed,) = resolve_inputs([f"http://{host}/a.jsonl?sig=SECRET"])
+        refuse.update(status=503, get_only=1)
+        for read, said in (
+            (lambda: list(read_records(f, 0, 2)), "read failed"),
+            (lambda: count_records(listed), "unreadable jsonl input"),
+        ):
+            with pytest.raises(InputError) as e:
+                read()
+            assert f"http://{host}/a.jsonl: {said} (ClientResponseError: 503" in str(e.value)
+            assert "SECRET" not in str(e.value)
+            assert e.value.__cause__ is None and e.value.__suppress_context__
 
 
 def test_hf_save_to_disk_directories(tmp_path: Path):
