@@ -146,8 +146,9 @@ def unreachable_endpoint(fs: Any) -> str | None:
     this check an endpoint that refuses connections fails only after the client's retries:
     5-10 s for s3fs and botocore; gcsfs retries for ~30 s a request and then reads as "no such
     file"."""
-    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get(
-        "endpoint_url"
+    client_kwargs = getattr(fs, "client_kwargs", None)  # a dict, unless the user gave another
+    endpoint = getattr(fs, "endpoint_url", None) or (
+        client_kwargs.get("endpoint_url") if isinstance(client_kwargs, dict) else None
     )
     if not endpoint and "gcs" in protocols(fs):
         endpoint = getattr(fs, "_location", None)
@@ -198,13 +199,34 @@ def describe_error(e: BaseException) -> str:
 @contextmanager
 def reading(where: str) -> Iterator[None]:
     """Storage failures under the block as packshard errors naming `where`: a missing file is
-    a `FormatError` (the manifest names it), any other a `StorageError` (the cause chained)."""
+    a `FormatError` (the manifest names it), any other a `StorageError` (the cause chained; an
+    HTTP server's 5xx or 403 too, which fsspec's HTTP client raises as FileNotFoundError)."""
     try:
         yield
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        # fsspec's HTTP client reports any failed lookup so, the server's answer chained
+        cause = e.__cause__
+        if cause is not None and getattr(cause, "status", 404) != 404:
+            raise StorageError(f"{where}: the storage failed ({describe_error(cause)})") from cause
         raise FormatError(f"{where}: missing (the manifest names it)") from None
     except storage_errors() as e:
         raise StorageError(f"{where}: the storage failed ({describe_error(e)})") from e
+
+
+def range_error(where: str, start: int, end: int, got: int) -> FormatError:
+    """The error for a ranged read of bytes [start, end) that returned `got` bytes: more is a
+    server that ignores HTTP Range requests (it sends the whole file; Python's http.server
+    does), which packshard reads shards with; fewer is a file shorter than the manifest says."""
+    if got > end - start:
+        return StorageError(
+            f"{where}: asked for bytes {start}..{end}, the server sent {got} bytes: it ignores "
+            "HTTP Range requests, which packshard reads shards with (serve the dataset from a "
+            "server that answers them, or from an object store)"
+        )
+    return FormatError(
+        f"{where}: bytes {start}..{end} came back as {got} bytes (the file is shorter than the "
+        "manifest says)"
+    )
 
 
 def shard_name(number: int) -> str:

@@ -107,6 +107,10 @@ class ShardDataset:
             ) from None
         except ImportError as e:  # its backend (s3fs, gcsfs, ...) is not installed
             raise MissingExtraError(f"{shown}: {e}", name=getattr(e, "name", None)) from None
+        except (TypeError, *storage_errors()) as e:  # type: ignore[misc]  # a bad option; ftp:// connects here
+            raise StorageError(
+                f"{shown}: cannot open its filesystem ({redact_text(describe_error(e))})"
+            ) from None
         why = unreachable_endpoint(fs)  # at once, not after the client's retries (5-10 s)
         if why is not None:
             raise StorageError(f"{shown}: {why}")

@@ -38,6 +38,7 @@ from packshard.packers.format import (
     SHARD_SCHEMA,
     FormatError,
     describe_error,
+    range_error,
     reading,
 )
 from packshard.packers.manifest import ShardEntry
@@ -263,7 +264,7 @@ class RemoteShard(_Shard):
             )  # fmt: skip
         for (a, b), data in zip(ranges, out, strict=True):
             if len(data) != b - a:
-                raise FormatError(f"{self.where}: bytes {a}..{b} came back as {len(data)} bytes")
+                raise range_error(self.where, a, b, len(data))
         return out
 
     def _check_schema(self, head: bytes) -> None:

@@ -49,6 +49,7 @@ from packshard.packers.format import (
     StorageError,
     describe_error,
     new_hasher,
+    range_error,
     reading,
     split_checksum,
 )
@@ -294,9 +295,7 @@ class ShardCache:
                         a, e, future = inflight.popleft()
                         data = future.result()
                         if len(data) != e - a:
-                            raise FormatError(
-                                f"{where}: bytes {a}..{e} came back as {len(data)} bytes"
-                            )
+                            raise range_error(where, a, e, len(data))
                         hasher.update(data)
                         writes.append(writer.submit(dst.write, data))  # in order: one writer
                         while len(writes) > WRITES_BEHIND or (writes and writes[0].done()):

@@ -151,7 +151,8 @@ class PackedShardDataset(IterableDataset):
             raise ValueError(f"PackedShardDataset: rows_per_rank={rows_per_rank} must be >= 1")
         if (dp_rank is None) != (dp_size is None):
             raise ValueError("PackedShardDataset: give both dp_rank and dp_size, or neither")
-        self.url = dataset_url(url)
+        self._url = dataset_url(url)  # as given: it reads the dataset
+        self.url = redact_url(self._url)  # printed: without credentials or a signature
         self.rows_per_rank = rows_per_rank
         self.allow_cross_document_attention = allow_cross_document_attention
         self._explicit = None if dp_size is None else Topology(dp_rank=dp_rank, dp_size=dp_size)  # type: ignore[arg-type]
@@ -185,13 +186,13 @@ class PackedShardDataset(IterableDataset):
             raise ValueError(f"{e} (rank {rank} of {world} from {source})") from None
         log.info(
             "PackedShardDataset %s: rank %d of %d (%s), tp %d cp %d sp %d -> dp %d/%d",
-            redact_url(self.url), rank, world, source, tp, cp, sp, topo.dp_rank, topo.dp_size,
+            self.url, rank, world, source, tp, cp, sp, topo.dp_rank, topo.dp_size,
         )  # fmt: skip
         return topo
 
     def _open(self, topo: Topology) -> PackedShardStream:
         return PackedShardStream(
-            self.url,
+            self._url,
             dp_rank=topo.dp_rank,
             dp_size=topo.dp_size,
             rows_per_step=self.rows_per_rank * topo.dp_size,

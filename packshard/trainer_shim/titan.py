@@ -195,7 +195,7 @@ class PackedShardDataLoader(BaseDataLoader):
         ds_seq = int(self.stream.dataset.config["seq_len"])
         if seq_len is not None and ds_seq > seq_len:
             raise ValueError(
-                f"{url} was packed with seq_len={ds_seq}, above torchtitan's training.seq_len={seq_len}: "
+                f"{self.stream.url} was packed with seq_len={ds_seq}, above torchtitan's training.seq_len={seq_len}: "
                 f"re-pack with --seq-len {seq_len} or raise training.seq_len"
             )
 

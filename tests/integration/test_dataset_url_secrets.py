@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from packshard.packers import DatasetNotFoundError, FormatError, ShardDataset
+from packshard.packers import DatasetNotFoundError, FormatError, ShardDataset, StorageError
 from packshard.pipeline.stats import dataset_stats, format_stats, stats_json
 from packshard.pipeline.verify import verify_dataset
 from packshard.trainer_shim import PackedShardStream
@@ -29,7 +29,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list
         yield f"http://reader:{SECRET}@{host}/ds", seen
 
 
-def test_the_credentials_are_sent_but_never_shown(served, caplog) -> None:
+def test_the_credentials_are_sent_but_never_shown(served, caplog, tmp_path) -> None:
     url, seen = served
     caplog.set_level(logging.INFO)
     ds = ShardDataset.open(url)
@@ -40,6 +40,17 @@ def test_the_credentials_are_sent_but_never_shown(served, caplog) -> None:
     shown = [stats_json(ds), format_stats(stats), *verify_dataset(url)]
     stream = PackedShardStream(url, dp_rank=0, dp_size=1, rows_per_step=2)
     shown.append(stream.url)
+    from packshard.trainer_shim.hf import PackedShardDataset
+
+    # the test server ignores Range requests (it sends whole files), so rows are read from
+    # whole shards in a cache_dir; read in place, they fail saying so
+    hf = PackedShardDataset(
+        url, rows_per_rank=2, dp_rank=0, dp_size=1, epochs=1, cache_dir=tmp_path / "cache"
+    )
+    assert next(iter(hf))["row"] >= 0  # it reads with the credentials
+    with pytest.raises(StorageError, match="ignores HTTP Range requests") as no_ranges:
+        next(iter(stream))
+    shown += [hf.url, str(no_ranges.value)]
     with pytest.raises(
         ValueError, match=r"seq_len=\d+, the stream expects seq_len=2048"
     ) as wrong_len:
@@ -52,6 +63,42 @@ def test_the_credentials_are_sent_but_never_shown(served, caplog) -> None:
         assert SECRET not in text
 
 
+def test_a_server_error_on_a_shard_is_no_missing_shard(tmp_path) -> None:
+    """fsspec's HTTP client raises FileNotFoundError for any failed lookup: a 500 (or an
+    expired signature's 403) on a shard is a storage failure, a 404 a missing shard."""
+    write_synthetic_dataset(
+        str(tmp_path / "ds"), lengths=[100, 300] * 4, seq_len=1024, pad_multiple=8
+    )
+    refuse: dict[str, object] = {}
+    with serving(tmp_path, refuse=refuse) as (host, _):
+        url = f"http://reader:{SECRET}@{host}/ds"
+        for status, error, said in (
+            (500, StorageError, "the storage failed (ClientResponseError: 500"),
+            (403, StorageError, "the storage failed (ClientResponseError: 403"),
+            (404, FormatError, "missing (the manifest names it)"),
+        ):
+            stream = PackedShardStream(url, dp_rank=0, dp_size=1, rows_per_step=2)
+            refuse.update(status=status, under="/ds/shards/")
+            with pytest.raises(error) as e:
+                next(iter(stream))
+            refuse.clear()
+            assert said in str(e.value) and SECRET not in str(e.value)
+            assert f"http://{host}/ds/shards/part-00000.arrow" in str(e.value)
+            assert isinstance(e.value, StorageError) == (status != 404)
+
+
 def test_format_errors_redact_their_message() -> None:
     err = FormatError(f"https://u:{SECRET}@host/ds/part-00000.arrow?sig={SECRET}: bad footer")
     assert SECRET not in str(err) and "https://host/ds/part-00000.arrow: bad footer" in str(err)
+
+
+def test_a_filesystem_that_connects_when_made_fails_as_a_storage_error() -> None:
+    """fsspec's ftp filesystem connects in its constructor: a refused connection is no raw
+    ConnectionRefusedError to the shim's users."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once the socket is closed
+    with pytest.raises(StorageError, match=r"cannot open its filesystem \(ConnectionRefused"):
+        ShardDataset.open(f"ftp://reader:{SECRET}@127.0.0.1:{port}/ds")
