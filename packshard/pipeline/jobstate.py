@@ -154,10 +154,10 @@ def check_output(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
                     "new or empty directory (packshard never mixes its files with others, and "
                     "--overwrite deletes only what a pack job wrote)"
                 )
-    except storage_errors_with(ValueError) as e:
+    except storage_errors_with(*_REFUSALS) as e:
         if isinstance(e, OutputError):
             raise
-        raise OutputError(f"output {url} is not writable ({describe(e)})") from None
+        raise OutputError(f"output {url} is not writable ({_why(fs, e)})") from None
     check_writable(fs, root, url)
 
 
@@ -188,10 +188,22 @@ def check_writable(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         with fs.open(probe, "wb") as f:
             f.write(b"packshard write probe\n")
         fs.rm(probe)
-    except storage_errors_with(ValueError) as e:
+    except storage_errors_with(*_REFUSALS) as e:
         if isinstance(e, OutputError):
             raise
-        raise OutputError(f"output {url} is not writable ({describe(e)})") from None
+        raise OutputError(f"output {url} is not writable ({_why(fs, e)})") from None
+
+
+# what a filesystem raises for an output it cannot use, besides storage errors: a bad storage
+# option (a ValueError, or a TypeError from the client's constructor: s3fs passes unknown
+# options to aiobotocore's session), a filesystem that cannot write (fsspec's http)
+_REFUSALS = (ValueError, TypeError, NotImplementedError)
+
+
+def _why(fs: fsspec.AbstractFileSystem, e: BaseException) -> str:
+    if isinstance(e, NotImplementedError):
+        return f"fsspec's {protocols(fs)[0]}:// filesystem cannot write files"
+    return redact_text(describe(e))
 
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:

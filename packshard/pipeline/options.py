@@ -36,12 +36,35 @@ def parse_key_values(pairs: Sequence[str] | None, flag: str = "--storage-option"
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"{flag} expects KEY=VALUE, got {pair!r}")
+            got = (
+                (  # a storage option's value may be a secret: not echoed
+                    "an argument without a key" if sep else "an argument without '='"
+                )
+                if flag == "--storage-option"
+                else repr(pair)
+            )
+            raise ValueError(f"{flag} expects KEY=VALUE, got {got}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = _PYTHON_LITERALS.get(value, value)
+        if (
+            flag == "--storage-option"
+            and key in _OBJECT_OPTIONS
+            and not isinstance(options[key], dict)
+        ):
+            raise ValueError(
+                f"{flag} {key}=... must be a JSON object, e.g. "
+                f"""{key}='{{"endpoint_url": "http://127.0.0.1:9000"}}'"""
+                if key == "client_kwargs"
+                else f"{flag} {key}=... must be a JSON object ({{...}})"
+            )
     return options
+
+
+# fsspec clients' options that take a dict (fsspec's http, s3fs): a string there fails deep in
+# the client (s3fs: "'str' object has no attribute 'copy'" at its first request)
+_OBJECT_OPTIONS = frozenset({"client_kwargs", "config_kwargs", "s3_additional_kwargs"})
 
 
 _PYTHON_LITERALS: dict[str, Any] = {"True": True, "False": False, "None": None}

@@ -49,6 +49,7 @@ from packshard.pipeline.inputs import InputError, InputFile, resolve_specs
 from packshard.pipeline.jobstate import OutputError, check_output
 from packshard.pipeline.readers import Peek, peek
 from packshard.pipeline.samples import BadRecord, Chat, column_problem, source_fields, to_sample
+from packshard.pipeline.storage import describe, storage_errors_with
 from packshard.pipeline.tokenizer_loading import TokenizerSource, locate_tokenizer
 
 if TYPE_CHECKING:
@@ -130,6 +131,10 @@ def open_output(cfg: PackConfig) -> tuple[Any, str, bool]:
         fs, root = url_to_fs(cfg.output, cfg.storage_options)
     except (ImportError, ValueError) as e:
         raise OutputError(f"output {cfg.output}: {e}") from None
+    except storage_errors_with(TypeError) as e:  # ftp:// connects here; a bad storage option
+        raise OutputError(
+            f"output {cfg.output}: cannot open its filesystem ({describe(e)})"
+        ) from None
     _refuse_relative_output_of_a_submitted_job(cfg, fs)
     _check_output_outside_inputs(cfg, fs, root)  # before check_output creates OUT
     existed = not is_local(fs) or fs.exists(root)

@@ -83,3 +83,14 @@ def test_storage_options_an_http_input_cannot_take_are_one_line(s3_server, tmp_p
             match=r"the --storage-option flags \(endpoint_url, key, secret\) go to every input",
         ):
             preflight(cfg)
+
+
+def test_a_storage_option_the_client_does_not_take_is_one_line(
+    s3_server, s3_bucket, tmp_path: Path
+):
+    """s3fs passes unknown options to aiobotocore's session: a TypeError at the first request."""
+    (tmp_path / "in.jsonl").write_text(json.dumps(CHAT) + "\n")
+    opts = {**s3_server["storage_options"], "bogus": 1}
+    cfg = config_from_args(_args(str(tmp_path / "in.jsonl"), f"s3://{s3_bucket}/run", opts))
+    with pytest.raises(OutputError, match=r"is not writable \(TypeError: .*'bogus'"):
+        preflight(cfg)

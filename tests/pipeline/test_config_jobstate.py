@@ -260,3 +260,15 @@ def test_python_literals_in_key_values_read_as_json_ones():
     assert got == {"a": False, "b": True, "c": None, "d": False, "e": 1, "f": "Falsey", "g": "x=y"}
     cfg = config_from_args([*BASE, "--template-kwarg", "enable_thinking=False"])
     assert cfg.template_kwargs == {"enable_thinking": False}
+
+
+def test_a_malformed_storage_option_is_not_echoed():
+    """`--storage-option secret:VALUE` (a ":" for the "=") would print the secret."""
+    from packshard.pipeline.options import parse_key_values
+
+    for pair, said in (("secret:S3CRET", "without '='"), ("=S3CRET", "without a key")):
+        with pytest.raises(ValueError) as e:
+            parse_key_values([pair])
+        assert said in str(e.value) and "S3CRET" not in str(e.value)
+    with pytest.raises(ValueError, match="got 'enable_thinking'"):  # no secret: shown
+        parse_key_values(["enable_thinking"], flag="--template-kwarg")

@@ -130,6 +130,27 @@ def test_hub_that_cannot_be_reached(tmp_path: Path, good: Path):
 
 
 @pytest.mark.parametrize(
+    ("output", "extra", "match"),
+    [
+        ("http://127.0.0.1:{port}/out", (), "fsspec's http:// filesystem cannot write files"),
+        ("ftp://127.0.0.1:{port}/out", (), "cannot open its filesystem (ConnectionRefusedError"),
+        (
+            "s3://bucket/out",
+            ("--storage-option", "client_kwargs=notjson"),
+            "client_kwargs=... must be a JSON object",
+        ),
+    ],
+)
+def test_outputs_a_filesystem_cannot_use_are_one_line(
+    tmp_path: Path, good: Path, output: str, extra: tuple[str, ...], match: str
+):
+    """fsspec's http filesystem cannot write (NotImplementedError), ftp connects when it is
+    made (ConnectionRefusedError), s3fs takes a string for a dict until its first request."""
+    rc, err = pack(*args(good, output.format(port=_closed_port()), *extra))
+    assert rc in (1, 2) and match in err
+
+
+@pytest.mark.parametrize(
     ("name", "data", "match"),
     [
         ("missing.jsonl", None, "does not exist"),
