@@ -9,6 +9,7 @@ fails at once with the command that fixes it, not deep inside a call with a bare
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 EXTRAS = {
@@ -32,9 +33,11 @@ def require(extra: str, module: str, what: str) -> ModuleType:
     except ModuleNotFoundError as e:
         if e.name != module and not module.startswith(f"{e.name}."):
             raise  # the module is there but one of its own imports is missing: not ours to name
+        fix = f"pip install 'packshard[{extra}]'"
+        if module == "triton" and not sys.platform.startswith("linux"):  # [kernels] skips it
+            fix = f"Triton is built for Linux only (this is {sys.platform})"
         raise MissingExtraError(
-            f"{what} needs {module!r}, which is not installed: pip install 'packshard[{extra}]'",
-            name=module,
+            f"{what} needs {module!r}, which is not installed: {fix}", name=module
         ) from e
 
 

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from packshard import __version__  # packshard itself imports nothing (see its docstring)
+
 # The modules below (pyarrow, numpy, ...) are imported in `main`, inside its Ctrl-C handling:
 # the console script imports this module before it calls `main`, so a Ctrl-C during a
 # module-level import would print a traceback.
@@ -53,12 +55,14 @@ def _open(args: argparse.Namespace) -> ShardDataset:
     return ShardDataset.open(args.url, storage_options=_storage_options(args))
 
 
-def _plot_types() -> set[str] | None:
-    """The file types matplotlib writes (None without matplotlib: plot_stats says so)."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
+def _plot_types() -> set[str]:
+    """The file types matplotlib writes; without matplotlib, MissingExtraError before any work
+    (not after the stats are printed)."""
+    from packshard._extras import require
+
+    require("plot", "matplotlib", "packshard stats --plot")
+    from matplotlib.figure import Figure
+
     return set(Figure().canvas.get_supported_filetypes())
 
 
@@ -67,7 +71,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     if args.plot:
         types = _plot_types()
-        if types is not None and args.plot.rpartition(".")[2].lower() not in types:
+        if args.plot.rpartition(".")[2].lower() not in types:
             print(
                 f"packshard stats: error: --plot {args.plot}: give a file ending in one of "
                 f"{', '.join('.' + t for t in sorted(types))}",
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     from packshard.pipeline.options import ArgumentParser, add_storage_option_flag
 
     parser = ArgumentParser(prog="packshard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "pack",

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from packshard import __version__
 from packshard.packers import ALGORITHMS, OVERLONG_POLICIES, Algorithm, OverlongPolicy
 from packshard.pipeline.options import ArgumentParser, add_storage_option_flag, parse_key_values
 from packshard.pipeline.planning import (
@@ -191,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pack raw SFT / offline-RL samples into a packshard dataset with Ray "
         "(connects to the cluster under `ray job submit`, else starts a local Ray).",
     )
+    p.add_argument("--version", action="version", version=f"packshard {__version__}")
     io = p.add_argument_group("inputs and output")
     io.add_argument(
         "--input",

@@ -28,9 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
+from packshard._extras import require
 from packshard.trainer_shim.microbatch import IGNORE_INDEX
+
+require("train", "torch", "packshard.trainer_shim.flatten")  # before torch is imported
+import torch  # noqa: E402
 
 ROW_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens")
 

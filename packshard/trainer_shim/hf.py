@@ -58,7 +58,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, cast
 
-from packshard._extras import require
+from packshard._extras import MissingExtraError, require
 
 require("hf", "torch", "packshard.trainer_shim.hf")  # before the modules below import it
 from packshard.trainer_shim.flatten import flatten_rows  # noqa: E402
@@ -385,9 +385,16 @@ def sft_trainer(dataset: PackedShardDataset, **kwargs: Any) -> Any:
     added unless one is given. Everything else of SFTTrainer stays: its fused LM head (the loss
     without materialising the logits), its entropy and token-accuracy logs. Returns the trainer.
     """
-    from datasets import Dataset
-    from datasets.table import InMemoryTable
-    from trl import SFTConfig, SFTTrainer
+    try:
+        from datasets import Dataset
+        from datasets.table import InMemoryTable
+        from trl import SFTConfig, SFTTrainer
+    except ModuleNotFoundError as e:  # [hf] holds Trainer's side; TRL is the user's own
+        raise MissingExtraError(
+            f"sft_trainer needs TRL (and its datasets): {e.name!r} is not installed: "
+            "pip install 'trl>=1.16'",
+            name=e.name,
+        ) from e
 
     args = kwargs.get("args")
     if not isinstance(args, SFTConfig):

@@ -16,13 +16,15 @@ from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
-from torch.utils.data import IterableDataset, get_worker_info
-
+from packshard._extras import require
 from packshard.packers.urls import dataset_url, redact_url
 from packshard.trainer_shim.meter import COUNT_KEYS
 from packshard.trainer_shim.planning import Position
 from packshard.trainer_shim.stream import PackedShardStream
 from packshard.trainer_shim.topology import Topology, rank_world
+
+require("train", "torch", "packshard.trainer_shim.hf_dataset")  # before torch is imported
+from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from packshard._extras import require
 from packshard.packers import CostModel
+
+require("train", "torch", "packshard.trainer_shim.meter")  # before torch is imported
+import torch  # noqa: E402
 
 # a row's counts the meter takes from a micro-batch (the whole row's, on every CP rank)
 COUNT_KEYS = ("num_tokens", "num_loss_tokens", "padded_len", "attn_cost", "row")

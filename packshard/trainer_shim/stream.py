@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import get_worker_info
 
+from packshard._extras import require
 from packshard.packers import CostModel, FormatError, ShardDataset, StorageError
 from packshard.packers.urls import dataset_url, redact_url
 from packshard.trainer_shim.cache import ShardCache
@@ -63,6 +62,10 @@ from packshard.trainer_shim.microbatch import TENSOR_KEYS, build_microbatch, fil
 from packshard.trainer_shim.planning import BALANCES, Balance, Position, StepPlan, StepPlanner
 from packshard.trainer_shim.reading import Row, RowReader
 from packshard.trainer_shim.state import StreamState, check_resume
+
+require("train", "torch", "packshard.trainer_shim.stream")  # before torch is imported
+import torch  # noqa: E402
+from torch.utils.data import get_worker_info  # noqa: E402
 
 log = logging.getLogger(__name__)
 

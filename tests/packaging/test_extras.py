@@ -27,6 +27,11 @@ except MissingExtraError as e:
         ("from packshard.trainer_shim.hf import PackedShardDataset", "transformers", "hf"),
         ("from packshard.trainer_shim.titan import PackedShardDataLoader", "torch", "torchtitan"),
         ("from packshard.trainer_shim import PackedShardStream", "torch", "train"),
+        # the submodules themselves (examples import FlopsModel from the meter)
+        ("from packshard.trainer_shim.meter import FlopsModel", "torch", "train"),
+        ("import packshard.trainer_shim.stream", "torch", "train"),
+        ("import packshard.trainer_shim.hf_dataset", "torch", "train"),
+        ("import packshard.trainer_shim.flatten", "torch", "train"),
     ],
 )
 def test_a_missing_extra_is_named(statement: str, blocked: str, extra: str):
@@ -39,3 +44,27 @@ def test_a_missing_extra_is_named(statement: str, blocked: str, extra: str):
     assert "MISSING" in r.stdout and f"pip install 'packshard[{extra}]'" in r.stdout, (
         r.stdout + r.stderr[-2000:]
     )
+
+
+def test_sft_trainer_without_trl_names_it():
+    statement = "from packshard.trainer_shim.hf import sft_trainer\nsft_trainer(None, args=None)"
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCKED, statement, "trl,datasets"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "MISSING sft_trainer needs TRL" in r.stdout and "pip install 'trl" in r.stdout, (
+        r.stdout + r.stderr[-2000:]
+    )
+
+
+def test_triton_off_linux_is_not_sent_to_the_extra(monkeypatch):
+    """[kernels] installs triton on Linux only (its marker): elsewhere the extra cannot help."""
+    from packshard._extras import MissingExtraError, require
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(MissingExtraError, match="Triton is built for Linux only") as e:
+        require("kernels", "triton", "packshard.kernels")
+    assert "packshard[kernels]" not in str(e.value)

@@ -153,6 +153,16 @@ def test_stats_refuses_a_plot_file_type_it_cannot_write(dataset, tmp_path, capsy
     assert main(["stats", url, "--plot", str(tmp_path / "p.tiff")]) == 0
 
 
+def test_stats_plot_without_matplotlib_fails_before_any_work(
+    dataset, tmp_path, monkeypatch, capsys
+):
+    url, _, _ = dataset
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as when it is not installed
+    assert main(["stats", url, "--plot", str(tmp_path / "p.png")]) == 1
+    out, err = capsys.readouterr()
+    assert not out and "pip install 'packshard[plot]'" in err
+
+
 def test_stats_does_not_read_shards(dataset, tmp_path, capsys):
     url, _, _ = dataset
     for p in (tmp_path / "ds" / "shards").iterdir():  # garbage of the manifest's sizes
@@ -401,3 +411,17 @@ def test_a_ctrl_c_after_the_commit_says_the_dataset_is_whole(monkeypatch, tmp_pa
     monkeypatch.setattr(pack, "_run", early)
     with pytest.raises(KeyboardInterrupt):  # main prints "whatever was written is kept"
         pack.run(cfg)
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["pack", "--version"]])
+def test_version(argv: list[str], capsys) -> None:
+    """One version, packshard.__version__, which the installed metadata reads too."""
+    import importlib.metadata
+
+    import packshard
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"packshard {packshard.__version__}"
+    assert importlib.metadata.version("packshard") == packshard.__version__
