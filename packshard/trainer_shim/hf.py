@@ -256,8 +256,8 @@ class StreamStateCallback(TrainerCallback):
                 "PackedShardDataset(rows_per_rank=%d), but Trainer trains %d rows a step per rank "
                 "(its loader's batch x gradient_accumulation_steps, / sp under DeepSpeed's "
                 "sequence parallelism): set rows_per_rank=%d "
-                "so that each balanced planning step is one optimizer step (and the data's last "
-                "step is not filled with rows that carry no tokens)",
+                "so that each balanced planning step is one optimizer step (and the filler rows "
+                "that complete an epoch's last step fall in that step, not across two)",
                 ds.rows_per_rank, self._per_step, self._per_step,
             )  # fmt: skip
         available = ds.items_from_start()

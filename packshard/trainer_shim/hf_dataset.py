@@ -243,7 +243,8 @@ class PackedShardDataset(IterableDataset):
                 "PackedShardDataset runs in a DataLoader worker: each worker would read every row. "
                 "It prefetches in its own thread; use dataloader_num_workers=0"
             )
-        refusal = self._evaluation_refusal(sys._getframe(1)) or self._wrapper_refusal(
+        evaluating = self._in_evaluation(sys._getframe(1))
+        refusal = (self._evaluation_refusal() if evaluating else None) or self._wrapper_refusal(
             sys._getframe(1)
         )
         if refusal is not None:
@@ -253,34 +254,40 @@ class PackedShardDataset(IterableDataset):
         self._pass += 1
         self._records.clear()
         self._yielded = self._start_items
-        return self._items(self._pass)
+        return self._items(self._pass, fillers=not evaluating)
 
-    def _evaluation_refusal(self, caller: FrameType | None) -> str | None:
-        """Why Trainer's evaluation loop, if it is among the callers, cannot evaluate on this
-        dataset, else None: an endless one (epochs=None) never ends the loop, and over several
-        processes an epoch's last step is filled with rows without tokens, whose loss is NaN
-        (and accelerate's shard of it would keep part of each rank's rows)."""
+    @staticmethod
+    def _in_evaluation(caller: FrameType | None) -> bool:
+        """Whether Trainer's evaluation (or prediction) loop is among the callers."""
         for _ in range(EVAL_FRAMES):
             if caller is None:
-                return None
+                return False
             trainer = caller.f_locals.get("self")
             if caller.f_code.co_name in ("evaluation_loop", "prediction_loop") and any(
                 c.__name__ == "Trainer" for c in type(trainer).__mro__
             ):
-                if self.items_from_start() is None:
-                    return (
-                        "Trainer evaluates on a PackedShardDataset with epochs=None, which never "
-                        "ends: build the eval dataset with epochs=1"
-                    )
-                dp = self._resolve_topology().dp_size
-                if dp > 1:
-                    return (
-                        f"evaluating a PackedShardDataset over {dp} data-"
-                        "parallel ranks is not supported (each rank's last step is filled with "
-                        "rows that hold no tokens, whose loss is NaN): evaluate on one process"
-                    )
-                return None
+                return True
             caller = caller.f_back
+        return False
+
+    def _evaluation_refusal(self) -> str | None:
+        """Why Trainer's evaluation loop cannot evaluate on this dataset, else None: an endless
+        one (epochs=None) never ends the loop, and over several processes each rank's last step
+        is filled with rows without tokens to keep the ranks in step (their loss is NaN), and
+        accelerate's shard of it would keep part of each rank's rows. On one process the loop
+        gets no filler rows (`_items`)."""
+        if self.items_from_start() is None:
+            return (
+                "Trainer evaluates on a PackedShardDataset with epochs=None, which never "
+                "ends: build the eval dataset with epochs=1"
+            )
+        dp = self._resolve_topology().dp_size
+        if dp > 1:
+            return (
+                f"evaluating a PackedShardDataset over {dp} data-"
+                "parallel ranks is not supported (each rank's last step is filled with "
+                "rows that hold no tokens, whose loss is NaN): evaluate on one process"
+            )
         return None
 
     def _wrapper_refusal(self, caller: FrameType | None) -> str | None:
@@ -320,12 +327,17 @@ class PackedShardDataset(IterableDataset):
             caller = caller.f_back
         return None
 
-    def _items(self, pass_no: int) -> Iterator[PackedRow]:
+    def _items(self, pass_no: int, *, fillers: bool = True) -> Iterator[PackedRow]:
+        """The stream's rows as items; without `fillers` (evaluation on one process), not the
+        rows without tokens that complete an epoch's last step (a batch of them only would
+        evaluate to a NaN loss)."""
         for mb in self.stream:
             if pass_no != self._pass:
                 raise RuntimeError(
                     "this iteration of PackedShardDataset was superseded by a new one"
                 )
+            if not fillers and mb["row"] < 0:
+                continue
             self._yielded += 1
             self._records.append(
                 (self._yielded, tuple(int(mb[k]) for k in COUNT_KEYS), self.stream.state_dict()["position"])

@@ -394,3 +394,30 @@ def test_trainer_evaluates_on_a_finite_dataset_on_one_process(
     monkeypatch.setattr(ds, "_resolve_topology", lambda: topology_for(0, 2))
     with pytest.raises(RuntimeError, match="over 2 data-parallel ranks is not supported"):
         evaluate(ds)
+
+
+def test_evaluation_on_one_process_gets_no_filler_rows(small_dataset: Path, tmp_path: Path):
+    """An epoch's last step is completed with rows that hold no tokens (ranks stay in step);
+    a batch of them only has a NaN loss. One process's evaluation is given none."""
+    from transformers import Trainer, TrainingArguments
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class MeanOverTargets(torch.nn.Module):  # 1 per batch with targets, NaN without
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, labels=None, **kw):
+            n = (labels != -100).sum()
+            return CausalLMOutput(loss=self.w * n / n)
+
+    rows = ShardDataset.open(str(small_dataset)).num_rows
+    per_rank = next(k for k in range(2, 9) if rows % k >= 2)  # the last step: >= 2 fillers
+    ds = PackedShardDataset(str(small_dataset), rows_per_rank=per_rank, epochs=1)
+    assert [i["row"] for i in ds].count(-1) == per_rank - rows % per_rank  # plain iteration
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_eval_batch_size=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, logging_nan_inf_filter=False,
+    )  # fmt: skip
+    trainer = Trainer(MeanOverTargets(), args=args, eval_dataset=ds, data_collator=packed_collator)
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(1.0)
