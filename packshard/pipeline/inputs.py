@@ -209,6 +209,12 @@ def _resolve_one(
             _split_does_not_apply(spec, split, "a glob reads what it matches")
             return _read_and_warn(fs, spec, paths, {p: p for p in paths}, skip_hidden=False)
         if fs.isdir(path):
+            if _without_query(path) != path:  # the links listed would carry no query
+                raise InputError(
+                    f"input {spec!r}: a directory listing with a query string (a signed URL?): "
+                    "the files it lists are read without the query; give the files' URLs, "
+                    "each with its query, or a glob (dir/*.jsonl?query), which passes it on"
+                )
             return _directory(fs, path, spec, split)
         if fs.isfile(path):
             _split_does_not_apply(spec, split, "a file")

@@ -303,6 +303,21 @@ def test_an_http_glob_with_a_query_matches_and_passes_the_query_on(tmp_path: Pat
     assert paths and all(p.endswith("?token=SECRET") for p in paths)
 
 
+def test_an_http_directory_listing_with_a_query_is_refused_naming_the_glob(tmp_path: Path):
+    """fsspec lists an http directory's links as '<dir>/?sig=.../a.jsonl': every file was
+    'ignored (not a type packshard reads)', then 'matches no readable files'."""
+    from tests.integration._http import serving
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_bytes(_jsonl(RECORDS[:2]))
+    with serving(tmp_path) as (host, _):
+        with pytest.raises(InputError, match=r"a directory listing with a query string") as e:
+            resolve_inputs([f"http://{host}/data/?sig=SECRET"])
+        assert "dir/*.jsonl?query" in str(e.value) and "SECRET" not in str(e.value)
+        (f,) = resolve_inputs([f"http://{host}/data/*.jsonl?sig=SECRET"])  # the way out
+        assert f.display == f"http://{host}/data/a.jsonl"
+
+
 def test_an_http_input_that_refuses_mid_job_says_what_the_server_answered(tmp_path: Path):
     """fsspec reports any failed HTTP lookup as FileNotFoundError: a signature that expired
     after the listing (403) or a server error is no input that "disappeared"."""
