@@ -35,16 +35,19 @@ completes it. The nodes that ran tasks go into the manifest's ``job.nodes``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 import ray
 
+from packshard.packers.format import describe_error
 from packshard.packers.manifest import OVERLONG_COUNTS
+from packshard.packers.urls import redact_text
 from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
@@ -63,13 +66,41 @@ from packshard.pipeline.tasks import (
 
 log = logging.getLogger(__name__)
 
-count_remote = ray.remote(num_cpus=1, max_retries=3)(count_records)
-tokenize_remote = ray.remote(num_cpus=1, max_retries=3, num_returns=2)(tokenize_block)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def picklable_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn` as a Ray task body whose errors pickle. Ray prints an error that does not pickle
+    whole, traceback and message as they are, into the worker's log (and often the driver's
+    console): a storage library's error (aiohttp's quotes the URL it read, a signed URL's
+    signature included) would be shown unredacted. Such an error is raised as a RuntimeError
+    carrying its first line, redacted; the others pass as they are."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            try:
+                ray.cloudpickle.dumps(e)
+            except Exception:
+                raise RuntimeError(redact_text(describe_error(e))) from None
+            raise
+
+    return run
+
+
+count_remote = ray.remote(num_cpus=1, max_retries=3)(picklable_errors(count_records))
+tokenize_remote = ray.remote(num_cpus=1, max_retries=3, num_returns=2)(
+    picklable_errors(tokenize_block)
+)
 # Ray retries on the exception types listed in retry_exceptions; its stubs type that as a bool only.
 pack_remote = ray.remote(  # type: ignore[call-overload]
     num_cpus=1, max_retries=3, retry_exceptions=[ShardVerifyError]
-)(pack_shard)
-check_remote = ray.remote(num_cpus=1, max_retries=3)(check_shard)
+)(picklable_errors(pack_shard))
+check_remote = ray.remote(num_cpus=1, max_retries=3)(picklable_errors(check_shard))
 warm_remote = ray.remote(num_cpus=1, max_retries=0)(warm_up)
 
 WAIT_S = 0.25

@@ -289,3 +289,26 @@ def test_a_ctrl_c_while_ray_starts_is_held_until_the_start_returns(
     assert finished == ([True] if presses == 1 else [])
     assert shutdowns == [1]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_task_error_that_does_not_pickle_is_raised_redacted():
+    """Ray prints a task's error that does not pickle whole, message unredacted (aiohttp's
+    ClientResponseError quotes the signed URL it read)."""
+    from packshard.pipeline.scheduler import picklable_errors
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no pickling")
+
+    def fails(kind: str) -> None:
+        if kind == "unpicklable":
+            raise Unpicklable("503, url='http://h/x.jsonl?X-Amz-Signature=SECRET'\nmore")
+        raise ValueError("a picklable error passes as it is")
+
+    with pytest.raises(RuntimeError) as e:
+        picklable_errors(fails)("unpicklable")
+    assert str(e.value) == "Unpicklable: 503, url='http://h/x.jsonl'"
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    with pytest.raises(ValueError, match="passes as it is"):
+        picklable_errors(fails)("picklable")
+    assert picklable_errors(fails).__name__ == "fails"  # Ray's task name
