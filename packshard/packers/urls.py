@@ -19,17 +19,21 @@ _CONTAINER_AT_SCHEMES = frozenset({"abfs", "abfss", "az", "adl"})  # container@a
 # a query tail starts with ``key=`` (``s3://b/day=0?/lang=en/*.jsonl`` is a Hive-style glob)
 _QUERY = re.compile(r"[A-Za-z0-9_.~-]+=.*", re.DOTALL)
 # where a URL starts in prose (`redact_text` finds where it ends)
-_SCHEME_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://")
+_SCHEME_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 # after a URL in prose: trailing punctuation belongs to the sentence
 _SENTENCE_PUNCTUATION = "'.,;:)]}"
+# before another URL glued to one (``a,b``, ``[a](b)``, ``'a'+'b'``): where the first ends
+_GLUE = ",;|(['\""
 # fsspec's chained URLs (``zip://member::http://host/a.zip``, ``simplecache::s3://b/x``): a
 # "::" before a protocol name (an IPv6 host's "[::1]" is none)
 _CHAIN = re.compile(r"::(?=[A-Za-z][A-Za-z0-9+.-]*(?:://|::|$))")
 # user info outside a URL: ``name:secret@`` right before a host or bucket name (an AWS
-# secret may hold "/")
-_USER_INFO = re.compile(
-    r"(?<![^\s'\"(\[=])(?!arn:)[^\s'\"()\[\]/:@=]+:[^\s'\"/][^\s'\"]*@(?=[A-Za-z0-9\[])"
-)
+# secret may hold "/"), in a word (text between whitespace and quotes), starting it or after
+# one of "([=": see `_strip_user_info`
+_WORDS = re.compile(r"([\s'\"]+)")
+_USER_STOP = frozenset("()[]/:@=")
+_USER_AFTER = re.compile(r"[(\[=]")
+_HOST_AT = re.compile(r"@(?=[A-Za-z0-9\[])")
 # ``name:secret@`` at the start of a URL's authority, the secret holding "/" unencoded
 _LEADING_USER_INFO = re.compile(r"(?!arn:)[^/:@]+:[^@]*@")  # not an access point ARN
 
@@ -99,7 +103,7 @@ def redact_url(url: str) -> str:
     """
     if "://" not in url or url.startswith(DEMO_SCHEME):
         return url
-    parts = _CHAIN.split(url)
+    parts = _chain_parts(url)
     if len(parts) > 1:
         return "::".join(redact_url(p) for p in parts)
     scheme, _, rest = url.partition("://")
@@ -137,7 +141,52 @@ def redact_text(text: str) -> str:
         out += [text[pos:start], redact_url(text[start:end])]
         pos = end
     out.append(text[pos:])
-    return _USER_INFO.sub("", "".join(out))
+    return _strip_user_info("".join(out))
+
+
+def _strip_user_info(text: str) -> str:
+    """`text` without any ``name:secret@`` before a host (``bucket name alice:PW@bucket``).
+
+    In each word (whitespace and quotes separate them), user info starts the word or follows
+    "(", "[" or "="; its name holds none of ``()[]/:@=``, its secret does not start with "/",
+    and it ends at the word's last "@" before a letter, digit or "[" (a secret may hold "@").
+    An access point ARN (``arn:...``) is none. Linear in the text's length: a regular
+    expression for this backtracks (quadratic on ``=a:b=a:b...``, minutes for a 1 MB line)."""
+    if "@" not in text:
+        return text
+    return "".join(
+        _strip_word(w) if i % 2 == 0 and "@" in w else w for i, w in enumerate(_WORDS.split(text))
+    )
+
+
+def _strip_word(word: str) -> str:
+    at = -1
+    for m in _HOST_AT.finditer(word):  # the last "@" before a host
+        at = m.start()
+    if at < 0:
+        return word
+    for start in (0, *(m.end() for m in _USER_AFTER.finditer(word, 0, at))):
+        if word.startswith("arn:", start):
+            continue
+        colon = start
+        while colon < at and word[colon] not in _USER_STOP:
+            colon += 1
+        if colon > start and word[colon] == ":" and colon + 1 < at and word[colon + 1] != "/":
+            return word[:start] + word[at + 1 :]
+    return word
+
+
+def _chain_parts(url: str) -> list[str]:
+    """The parts of a chained URL (`_CHAIN`), one part for any other; a "::" inside an
+    http(s) part's query or fragment (``?token=a::b``) is the value's, not a chain's."""
+    parts, start = [], 0
+    for m in _CHAIN.finditer(url):
+        part = url[start : m.start()]
+        if part.lower().startswith(("http://", "https://")) and ("?" in part or "#" in part):
+            continue
+        parts.append(part)
+        start = m.end()
+    return [*parts, url[start:]]
 
 
 def _url_end(text: str, start: int, opening: str) -> int:
@@ -146,12 +195,16 @@ def _url_end(text: str, start: int, opening: str) -> int:
     end = start
     while end < len(text):
         c = text[end]
-        if c.isspace() or c in '"<>':
+        if c.isspace() or c in "<>":
             break
-        if c == "'" and quote == "'":
+        if c == '"' and quote != "'":  # a URL holding '"' is quoted with "'" (repr)
+            break
+        if c == "'" == quote:
             after = text[end + 1 : end + 2]
-            if not after or after.isspace() or after in _SENTENCE_PUNCTUATION + '"':
+            if not after or after.isspace() or after in _SENTENCE_PUNCTUATION + '"+':
                 break
+        if c in _GLUE and end > start and _SCHEME_IN_TEXT.match(text, end + 1):
+            break  # another URL starts: each is redacted on its own
         end += 1
     if quote:
         return end
