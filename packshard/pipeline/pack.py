@@ -197,17 +197,22 @@ def start_local_ray(num_cpus: int | None) -> None:
 
 @contextlib.contextmanager
 def _ctrl_c_after_start() -> Iterator[None]:
-    """Hold a Ctrl-C that arrives while `ray.init` starts the local node until it returns (then
-    raise KeyboardInterrupt, and `start_local_ray` stops what it started); a second Ctrl-C
-    raises at once. Raised inside `ray.init`, the interrupt can land after Ray 2.60 made this
-    process's core worker and before Python holds it: no `ray.shutdown` can stop it then, and
-    the process crashed with SIGSEGV at exit (Ray's metrics thread outlives the worker it
-    reads; 2 of 7 Ctrl-Cs late in the start, seen with gdb). Holding it adds little: raised
-    inside `ray.init`, a Ctrl-C surfaced only once its blocking calls returned (3-12 s after the
-    key on a loaded machine)."""
+    """Hold a Ctrl-C that arrives while `ray.init` starts the local node until it returns or
+    fails (then raise KeyboardInterrupt, and `start_local_ray` stops what it started, retrying
+    nothing); a second Ctrl-C raises at once. Only Python's own SIGINT handler is replaced.
+
+    Raised inside `ray.init`, the interrupt can land after Ray 2.60 made this process's core
+    worker and before Python holds it: no `ray.shutdown` can stop it then, and the process
+    crashed with SIGSEGV at exit (Ray's metrics thread outlives the worker it reads; 2 of 7
+    Ctrl-Cs late in the start, seen with gdb). Holding it adds little: raised inside
+    `ray.init`, a Ctrl-C surfaced only once its blocking calls returned (3-12 s after the key
+    on a loaded machine)."""
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):  # a caller's own handler, or SIGINT ignored (`cmd &` in a script): theirs to keep
         yield
         return
     pressed: list[int] = []
@@ -223,6 +228,10 @@ def _ctrl_c_after_start() -> Iterator[None]:
     previous = signal.signal(signal.SIGINT, hold)
     try:
         yield
+    except Exception:
+        if pressed:  # not the start's error (a timeout, which would be retried): the stop
+            raise KeyboardInterrupt from None
+        raise
     finally:
         signal.signal(signal.SIGINT, previous)
     if pressed:
