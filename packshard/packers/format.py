@@ -204,9 +204,14 @@ def reading(where: str) -> Iterator[None]:
     try:
         yield
     except FileNotFoundError as e:
-        # fsspec's HTTP client reports any failed lookup so, the server's answer chained
+        # fsspec's HTTP client reports any failed lookup so, the server's answer (or the
+        # connection's error) chained
         cause = e.__cause__
-        if cause is not None and getattr(cause, "status", 404) != 404:
+        status = getattr(cause, "status", None)
+        if cause is not None and (
+            (status is not None and status != 404)
+            or (status is None and isinstance(cause, OSError))  # aiohttp's connection errors
+        ):
             raise StorageError(f"{where}: the storage failed ({describe_error(cause)})") from cause
         raise FormatError(f"{where}: missing (the manifest names it)") from None
     except storage_errors() as e:

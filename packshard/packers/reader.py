@@ -118,8 +118,11 @@ class ShardDataset:
             raw = fs.cat_file(f"{root}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError):
             raise _no_dataset(shown, fs, root) from None
-        except storage_errors() as e:
-            raise StorageError(f"{shown}: cannot read {MANIFEST_NAME} ({describe_error(e)})") from e
+        except (TypeError, *storage_errors()) as e:  # type: ignore[misc]  # TypeError: an option
+            # the client takes only at its first request (s3fs, fsspec's http: bogus=1)
+            raise StorageError(
+                f"{shown}: cannot read {MANIFEST_NAME} ({redact_text(describe_error(e))})"
+            ) from e
         try:
             manifest = json.loads(raw)
         except (ValueError, RecursionError) as e:  # bad JSON or text; an int of 4300+ digits;

@@ -87,6 +87,24 @@ def test_a_server_error_on_a_shard_is_no_missing_shard(tmp_path) -> None:
             assert isinstance(e.value, StorageError) == (status != 404)
 
 
+def test_a_server_gone_after_opening_is_no_missing_shard(tmp_path) -> None:
+    """fsspec's HTTP client raises FileNotFoundError chained to aiohttp's connection error."""
+    write_synthetic_dataset(
+        str(tmp_path / "ds"), lengths=[100, 300] * 4, seq_len=1024, pad_multiple=8
+    )
+    with serving(tmp_path) as (host, _):
+        stream = PackedShardStream(f"http://{host}/ds", dp_rank=0, dp_size=1, rows_per_step=2)
+    with pytest.raises(StorageError, match="the storage failed"):
+        next(iter(stream))
+
+
+def test_a_storage_option_the_client_refuses_at_its_first_request(served) -> None:
+    """fsspec's http (and s3fs) take unknown options until the first request: a TypeError."""
+    url, _ = served
+    with pytest.raises(StorageError, match=r"cannot read manifest.json \(TypeError: .*bogus"):
+        ShardDataset.open(url, storage_options={"bogus": 1})
+
+
 def test_format_errors_redact_their_message() -> None:
     err = FormatError(f"https://u:{SECRET}@host/ds/part-00000.arrow?sig={SECRET}: bad footer")
     assert SECRET not in str(err) and "https://host/ds/part-00000.arrow: bad footer" in str(err)
