@@ -478,13 +478,13 @@ def _run(cfg: PackConfig, committed: list[bool]) -> int:
         if counter is None:
             started = start_ray(cfg)
             phase("started a local Ray")
-        stop = StopFlag()
+        stop = StopFlag(cancel_tasks=not started)  # a driver that disconnects ends its tasks
         with stop_on_signals(stop):
             if state.status == "resume":  # the plan holds the counts
                 assert state.plan is not None
                 files = resumed_files(files, state.plan)
                 if counter is not None:
-                    counter.cancel()
+                    counter.cancel(tasks=not started)
                 counter = None
             elif counter is None:
                 counter = _start_counting(cfg, files)
@@ -495,7 +495,7 @@ def _run(cfg: PackConfig, committed: list[bool]) -> int:
         raise
     finally:
         if counter is not None:
-            counter.cancel()  # no-op once counted; stops counting when the job ends early
+            counter.cancel(tasks=not started)  # once counted a no-op; else stops the counts
         if started:
             import ray
 

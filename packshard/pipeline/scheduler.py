@@ -29,8 +29,8 @@ error at its block's first record.
 Retries: every task is retried by Ray on worker death (`max_retries`), and a shard whose bytes
 read back wrong is rewritten; blocks lost with a node are recomputed from their lineage (a
 test kills one of three nodes mid-job). A stop request (SIGTERM from `ray job stop`, Ctrl-C)
-cancels the tasks in flight and raises `Interrupted`; what was committed stays, and a rerun
-completes it. The nodes that ran tasks go into the manifest's ``job.nodes``.
+raises `Interrupted`, and the tasks in flight end (the driver disconnects, or under a caller's
+Ray they are cancelled: see `StopFlag`); what was committed stays, and a rerun completes it. The nodes that ran tasks go into the manifest's ``job.nodes``.
 """
 
 from __future__ import annotations
@@ -176,11 +176,19 @@ def cancel_running(refs: list[Any]) -> None:
 
 
 class StopFlag:
-    """Set from a signal handler; checked by the driver loops."""
+    """Set from a signal handler; checked by the driver loops.
 
-    def __init__(self) -> None:
+    With `cancel_tasks` false (the job's driver connected to or started Ray itself, and
+    disconnects when the job ends, which ends the job's tasks: measured, a task stops within
+    its 0.1 s tick), nothing is cancelled: `cancel_running` can abort the driver (Ray 2.60's
+    "Tried to complete task that was not pending", seen on `ray job stop` of a 1-worker job in
+    a full CI run: exit 1 and a stack trace instead of 143). A caller's own Ray stays connected
+    after the job, so its tasks are cancelled then."""
+
+    def __init__(self, *, cancel_tasks: bool = True) -> None:
         self.event = threading.Event()
         self.signal_name = ""
+        self.cancel_tasks = cancel_tasks
 
     def set(self, name: str) -> None:
         self.signal_name = name
@@ -188,7 +196,8 @@ class StopFlag:
 
     def check(self, refs: list[Any]) -> None:
         if self.event.is_set():
-            cancel_running(refs)
+            if self.cancel_tasks:
+                cancel_running(refs)
             raise Interrupted(self.signal_name)
 
 
@@ -235,12 +244,13 @@ class InputCounter:
                 self.files[i] = _get(ref, f"reading {self.files[i].url}")
         return self.files
 
-    def cancel(self) -> None:
+    def cancel(self, *, tasks: bool = True) -> None:
         """Stop counting (the job ended early): counts still running are cancelled
-        (`cancel_running`), warm-ups never. A warm-up (~0.1 s, early in every job) would
-        otherwise race its completion with the cancel at the end of a job that fails within
-        its first second; left alone, it finishes on its own."""
-        cancel_running(list(self.pending))
+        (`cancel_running`; not with `tasks` false, see `StopFlag`), warm-ups never. A warm-up
+        (~0.1 s, early in every job) would otherwise race its completion with the cancel at the
+        end of a job that fails within its first second; left alone, it finishes on its own."""
+        if tasks:
+            cancel_running(list(self.pending))
         self.pending.clear()
         self.todo.clear()
 
@@ -568,7 +578,8 @@ class Scheduler:
         return self.results
 
     def _abort(self) -> None:
-        cancel_running(list(self.pending_tok) + list(self.pending_pack))
+        if self.stop.cancel_tasks:  # see StopFlag
+            cancel_running(list(self.pending_tok) + list(self.pending_pack))
 
 
 def merge_counters(results: list[ShardResult]) -> dict[str, Any]:

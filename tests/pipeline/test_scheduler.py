@@ -326,3 +326,25 @@ def test_a_task_error_that_does_not_pickle_is_raised_redacted():
     with pytest.raises(ValueError, match="passes as it is"):
         picklable_errors(fails)("picklable")
     assert picklable_errors(fails).__name__ == "fails"  # Ray's task name
+
+
+@pytest.mark.parametrize("cancel_tasks", [True, False])
+def test_a_stop_cancels_tasks_only_where_the_driver_stays_connected(
+    monkeypatch: pytest.MonkeyPatch, cancel_tasks: bool
+):
+    """Ray 2.60's driver aborts when a cancel races with a task finishing (exit 1 and a stack
+    trace on `ray job stop`). A driver that disconnects at the job's end (it joined or started
+    Ray itself) ends its tasks so and cancels none; under a caller's Ray they are cancelled."""
+    import ray
+
+    from packshard.pipeline.scheduler import Interrupted, StopFlag
+
+    cancelled: list[str] = []
+    monkeypatch.setattr(ray, "wait", lambda refs, **_: ([], list(refs)))
+    monkeypatch.setattr(ray, "cancel", lambda ref, **_: cancelled.append(ref))
+    stop = StopFlag(cancel_tasks=cancel_tasks)
+    stop.check(["a"])  # not set: nothing happens
+    stop.set("SIGTERM")
+    with pytest.raises(Interrupted, match="SIGTERM"):
+        stop.check(["a", "b"])
+    assert cancelled == (["a", "b"] if cancel_tasks else [])
