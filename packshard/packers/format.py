@@ -133,6 +133,25 @@ def storage_errors() -> tuple[type[BaseException], ...]:
     return (OSError, *library_errors())
 
 
+def storage_errors_with(*errors: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """`errors` and `storage_errors()`, for an ``except`` clause (``except
+    storage_errors_with(ValueError) as e:``): evaluated when an exception is matched, so a
+    storage library first imported inside the ``try`` counts."""
+    return (*errors, *storage_errors())
+
+
+def lookup_failure(e: FileNotFoundError) -> BaseException | None:
+    """What made a lookup fail when it was no absence, else None. fsspec's HTTP client raises
+    FileNotFoundError for any failed lookup, chained to the server's answer (a 5xx, an expired
+    signature's 403) or to the connection's error (aiohttp's, an OSError): only a 404, or no
+    such cause, means the file is not there."""
+    cause = e.__cause__
+    status = getattr(cause, "status", None)
+    if cause is None or status == 404 or (status is None and not isinstance(cause, OSError)):
+        return None
+    return cause
+
+
 CONNECT_TIMEOUT_S = 3.0
 
 
@@ -191,9 +210,11 @@ def _behind_proxy(fs: Any, parts: urllib.parse.SplitResult) -> bool:
 
 
 def describe_error(e: BaseException) -> str:
-    """One line for a library error: its type and the first line of its message."""
+    """One line for a library error: its type and the first line of its message, redacted (a
+    storage library's error quotes the URL it read: aiohttp's, a signed URL's signature
+    included)."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    return redact_text(f"{type(e).__name__}: {text[0]}" if text else type(e).__name__)
 
 
 @contextmanager
@@ -204,14 +225,8 @@ def reading(where: str) -> Iterator[None]:
     try:
         yield
     except FileNotFoundError as e:
-        # fsspec's HTTP client reports any failed lookup so, the server's answer (or the
-        # connection's error) chained
-        cause = e.__cause__
-        status = getattr(cause, "status", None)
-        if cause is not None and (
-            (status is not None and status != 404)
-            or (status is None and isinstance(cause, OSError))  # aiohttp's connection errors
-        ):
+        cause = lookup_failure(e)
+        if cause is not None:
             raise StorageError(f"{where}: the storage failed ({describe_error(cause)})") from cause
         raise FormatError(f"{where}: missing (the manifest names it)") from None
     except storage_errors() as e:

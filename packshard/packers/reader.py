@@ -54,6 +54,7 @@ from packshard.packers.format import (
     reading,
     split_checksum,
     storage_errors,
+    storage_errors_with,
     unreachable_endpoint,
 )
 from packshard.packers.manifest import (
@@ -107,9 +108,9 @@ class ShardDataset:
             ) from None
         except ImportError as e:  # its backend (s3fs, gcsfs, ...) is not installed
             raise MissingExtraError(f"{shown}: {e}", name=getattr(e, "name", None)) from None
-        except (TypeError, *storage_errors()) as e:  # type: ignore[misc]  # a bad option; ftp:// connects here
+        except storage_errors_with(TypeError) as e:  # a bad option; ftp:// connects here
             raise StorageError(
-                f"{shown}: cannot open its filesystem ({redact_text(describe_error(e))})"
+                f"{shown}: cannot open its filesystem ({describe_error(e)})"
             ) from None
         why = unreachable_endpoint(fs)  # at once, not after the client's retries (5-10 s)
         if why is not None:
@@ -118,11 +119,9 @@ class ShardDataset:
             raw = fs.cat_file(f"{root}/{MANIFEST_NAME}")
         except (FileNotFoundError, NotADirectoryError):
             raise _no_dataset(shown, fs, root) from None
-        except (TypeError, *storage_errors()) as e:  # type: ignore[misc]  # TypeError: an option
-            # the client takes only at its first request (s3fs, fsspec's http: bogus=1)
-            raise StorageError(
-                f"{shown}: cannot read {MANIFEST_NAME} ({redact_text(describe_error(e))})"
-            ) from e
+        except storage_errors_with(TypeError) as e:  # TypeError: an option the client refuses
+            # only at its first request (s3fs, fsspec's http: bogus=1)
+            raise StorageError(f"{shown}: cannot read {MANIFEST_NAME} ({describe_error(e)})") from e
         try:
             manifest = json.loads(raw)
         except (ValueError, RecursionError) as e:  # bad JSON or text; an int of 4300+ digits;

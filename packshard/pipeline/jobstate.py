@@ -203,7 +203,7 @@ _REFUSALS = (ValueError, TypeError, NotImplementedError)
 def _why(fs: fsspec.AbstractFileSystem, e: BaseException) -> str:
     if isinstance(e, NotImplementedError):
         return f"fsspec's {protocols(fs)[0]}:// filesystem cannot write files"
-    return redact_text(describe(e))
+    return describe(e)
 
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -34,8 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packshard.packers import url_to_fs
-from packshard.packers.format import describe_error, storage_errors
-from packshard.packers.urls import redact_text
+from packshard.packers.format import describe_error, lookup_failure, storage_errors_with
 from packshard.packers.writer import is_local
 from packshard.pipeline.inputs import InputError, InputFile, demo_params
 from packshard.pipeline.samples import CANONICAL_FIELDS, BadRecord
@@ -134,9 +133,8 @@ def _open(
     try:
         raw = fs.open(path, "rb", **({"block_size": block_size} if block_size else {}))
     except FileNotFoundError as e:
-        # fsspec's HTTP client reports any failed lookup so, the server's answer chained
-        cause = e.__cause__
-        if cause is not None and getattr(cause, "status", None) != 404:
+        cause = lookup_failure(e)
+        if cause is not None:
             raise InputError(
                 f"{f.display}: cannot be read now ({describe_error(cause)}); it was listed "
                 "when the job started (a signed URL may have expired)"
@@ -214,16 +212,12 @@ def _unreadable(f: InputFile) -> Iterator[None]:
         yield
     except InputError:
         raise
-    except (*storage_errors(), EOFError, pa.ArrowInvalid, ValueError, zlib.error) as e:
-        raise InputError(f"{f.display}: unreadable {f.format} input ({_cause(e)})") from None
-
-
-def _cause(e: BaseException) -> str:
-    """A read error's cause in one line, without secrets: a storage library's error (aiohttp's
-    for a failed GET) quotes the URL it read, a signed URL's signature included, and may not
-    pickle (a Ray task's error that does not pickle is printed whole by Ray), so the InputError
-    carries this text and not the error."""
-    return redact_text(describe_error(e))
+    except storage_errors_with(EOFError, pa.ArrowInvalid, ValueError, zlib.error) as e:
+        # a storage library's error (aiohttp's for a failed GET) may not pickle, which a Ray
+        # task's error must: the InputError carries its line (`describe_error`), not the error
+        raise InputError(
+            f"{f.display}: unreadable {f.format} input ({describe_error(e)})"
+        ) from None
 
 
 def _replace(f: InputFile, **changes: Any) -> InputFile:
@@ -557,8 +551,8 @@ def read_records(
                 yield _json_location(f, i, lines), records[i]
         else:
             yield from _read_table(f, start, stop, storage_options, fields)
-    except (*storage_errors(), EOFError, pa.ArrowInvalid, zlib.error) as e:
-        raise InputError(f"{f.display}: read failed ({_cause(e)})") from None
+    except storage_errors_with(EOFError, pa.ArrowInvalid, zlib.error) as e:
+        raise InputError(f"{f.display}: read failed ({describe_error(e)})") from None
 
 
 def _read_lines(
@@ -622,8 +616,8 @@ def read_tables(
         raise ValueError(f"{f.display}: {f.format} is not a tabular format {TABLE_FORMATS}")
     try:
         yield from _table_pieces(f, start, stop, storage_options, fields)
-    except (*storage_errors(), EOFError, pa.ArrowInvalid, zlib.error) as e:
-        raise InputError(f"{f.display}: read failed ({_cause(e)})") from None
+    except storage_errors_with(EOFError, pa.ArrowInvalid, zlib.error) as e:
+        raise InputError(f"{f.display}: read failed ({describe_error(e)})") from None
 
 
 def _table_pieces(

@@ -30,7 +30,8 @@ Retries: every task is retried by Ray on worker death (`max_retries`), and a sha
 read back wrong is rewritten; blocks lost with a node are recomputed from their lineage (a
 test kills one of three nodes mid-job). A stop request (SIGTERM from `ray job stop`, Ctrl-C)
 raises `Interrupted`, and the tasks in flight end (the driver disconnects, or under a caller's
-Ray they are cancelled: see `StopFlag`); what was committed stays, and a rerun completes it. The nodes that ran tasks go into the manifest's ``job.nodes``.
+Ray they are cancelled: see `StopFlag`); what was committed stays, and a rerun completes it.
+The nodes that ran tasks go into the manifest's ``job.nodes``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import ray
 
 from packshard.packers.format import describe_error
 from packshard.packers.manifest import OVERLONG_COUNTS
-from packshard.packers.urls import redact_text
 from packshard.pipeline.inputs import InputFile
 from packshard.pipeline.planning import ShardPlan, block_spans, contributions, plan_shards
 from packshard.pipeline.readers import count_records
@@ -86,7 +86,7 @@ def picklable_errors(fn: Callable[P, R]) -> Callable[P, R]:
             try:
                 ray.cloudpickle.dumps(e)
             except Exception:
-                raise RuntimeError(redact_text(describe_error(e))) from None
+                raise RuntimeError(describe_error(e)) from None
             raise
 
     return run

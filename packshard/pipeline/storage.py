@@ -13,7 +13,12 @@ other errors an ``except`` clause takes.
 
 from __future__ import annotations
 
-from packshard.packers.format import CONNECT_TIMEOUT_S, storage_errors, unreachable_endpoint
+from packshard.packers.format import (
+    CONNECT_TIMEOUT_S,
+    storage_errors,
+    storage_errors_with,
+    unreachable_endpoint,
+)
 from packshard.packers.format import describe_error as describe
 
 __all__ = [
@@ -23,10 +28,3 @@ __all__ = [
     "storage_errors_with",
     "unreachable_endpoint",
 ]
-
-
-def storage_errors_with(*errors: type[BaseException]) -> tuple[type[BaseException], ...]:
-    """`errors` and `storage_errors()`, for an ``except`` clause (``except
-    storage_errors_with(ValueError) as e:``): evaluated when an exception is matched, so a
-    storage library first imported inside the ``try`` counts."""
-    return (*errors, *storage_errors())
