@@ -44,8 +44,9 @@ How Trainer wraps an IterableDataset, and what this module does about it (accele
   each rank iterates its own rows.
 - every iteration starts from the dataset's start position (the beginning, or the state loaded
   by the callback on resume): SFTTrainer's ``next(iter(dataset))`` peek at construction moves
-  nothing. The prefetch thread makes ``dataloader_num_workers=0`` the right setting; workers
-  are refused (each would read every row).
+  nothing. The stream reads ahead itself (a remote dataset on its prefetch thread), so
+  ``dataloader_num_workers=0`` is the right setting; workers are refused (each would read every
+  row).
 - Trainer fetches ahead (accelerate keeps one batch in hand), so "where the stream is" is not
   "what was trained": the dataset keeps the stream's position after each item it yielded, and
   the callback saves the position after the ``global_step * batch * grad_accum`` items trained

@@ -11,14 +11,17 @@ What happens, per rank:
 1. At construction: manifest.json and index.arrow are read (no token data) and checked
    (packers.manifest), then against the stream's configuration (seq_len, the CP layout's
    divisibility), and turned into row costs. Nothing else is read until iteration (~3 ms).
-2. A background thread walks the step plan (`planning.py`, identical on every rank) from the
-   current position and reads this rank's rows a window at a time, two windows ahead of the
-   trainer: grouped by shard (one `ShardDataset.read_rows_arrays` per shard, shards in parallel
-   over `read_threads` threads), every row checked against its checksum. Local shards are
-   memory-mapped; remote ones are read by byte ranges of only the rows' tokens (a window holds
-   `read_ahead_bytes` of rows, so nearby rows share a request) or, with a `cache_dir`,
-   downloaded whole once, verified, and memory-mapped (`reading.py`, `cache.py`). The thread
-   does the waiting (page faults, requests, downloads), not the CPU work.
+2. The step plan (`planning.py`, identical on every rank) is walked from the current position
+   and this rank's rows are read a window at a time: grouped by shard (one
+   `ShardDataset.read_rows_arrays` per shard, shards in parallel over `read_threads` threads),
+   every row checked against its checksum. Remote shards are read by byte ranges of only the
+   rows' tokens (a window holds `read_ahead_bytes` of rows, so nearby rows share a request) or,
+   with a `cache_dir`, downloaded whole once, verified, and memory-mapped (`reading.py`,
+   `cache.py`); a background thread reads them two windows ahead of the trainer and does the
+   waiting (requests, downloads), not the CPU work. Local shards are memory-mapped and read by
+   the iterating thread itself when it needs the next window (`prefetch_thread`): a read is a
+   checksum over pages the OS reads ahead, ~15 µs a row at 8K tokens, and a second thread would
+   only take turns with the trainer on the GIL (25% slower epochs on 2 cores).
 3. The iterator builds each micro-batch from its row when asked (labels, position ids,
    cu_seqlens, ks/ke, the CP chunk: `microbatch.py`; ~27 µs at 8K tokens) as CPU tensors,
    pinned when the device is CUDA (`ks_host` / `ke_host` keep the ranges' host copies, for the
@@ -26,7 +29,7 @@ What happens, per rank:
    previous micro-step's compute. Building in the prefetch thread instead cost twice the CPU:
    two CPU-bound Python threads take turns on the GIL, and nothing overlaps.
 
-Errors in the thread (a corrupted row, a missing shard, a network failure) are raised by the
+Errors in reading (a corrupted row, a missing shard, a network failure) are raised by the
 iterator, in order: micro-batches read before the failure are still delivered first.
 Throughput: benchmarks/RESULTS.md (bench_stream.py, against a tuned MosaicML streaming).
 """
@@ -98,6 +101,7 @@ class StreamConfig:
     cache_limit_bytes: int | None = None
     read_ahead_bytes: int = 64 << 20
     stall_timeout_s: float | None = None
+    prefetch_thread: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -117,6 +121,8 @@ class StreamConfig:
         for name in ("shuffle", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be True or False")
+        if self.prefetch_thread is not None and not isinstance(self.prefetch_thread, bool):
+            raise bad("prefetch_thread", "must be True, False or None (chosen by the dataset)")
         if self.dp_size < 1:
             raise bad("dp_size", "must be >= 1")
         if not 0 <= self.dp_rank < self.dp_size:
@@ -155,6 +161,12 @@ class StreamConfig:
             if not (math.isfinite(seconds) and seconds > 0):
                 raise bad("stall_timeout_s", "must be a number of seconds > 0, or None (wait)")
             object.__setattr__(self, "stall_timeout_s", seconds)
+            if self.prefetch_thread is False:
+                raise bad(
+                    "stall_timeout_s",
+                    "needs the prefetch thread (it watches the thread's reads): leave "
+                    "prefetch_thread at None or True",
+                )
 
 
 @dataclass
@@ -192,6 +204,10 @@ class _Failed:
 
 
 _END = object()
+_SUPERSEDED = (
+    "this iteration was stopped (by close(), load_state_dict or a new iter()); iterate the "
+    "stream again"
+)
 
 
 class PackedShardStream:
@@ -204,11 +220,15 @@ class PackedShardStream:
     ``row`` (index.arrow position, -1 for a filler). Conventions: trainer_shim.microbatch.
 
     Reading: `prefetch` rows (at least a step's micro-batches; by default 64 from a local
-    dataset, 8 from a remote one) are read per window, two windows ahead, shards of a window on
-    `read_threads` threads; from a remote dataset without `cache_dir`, a window holds
-    `read_ahead_bytes` of rows (64 MiB) so that nearby rows share a request, and record batches
-    read whole are kept for later windows up to 4 x `read_ahead_bytes` (256 MiB: the
-    dataset's `whole_batch_bytes`). Every row read is checked against index.arrow's
+    dataset, 8 from a remote one) are read per window, shards of a window on `read_threads`
+    threads. `prefetch_thread` says where: True, on a background thread two windows ahead of
+    the trainer; False, by the iterating thread when it needs the next window; None (the
+    default), on the thread for a remote dataset, a `cache_dir` or a `stall_timeout_s`, in the
+    iterating thread for a local dataset (memory-mapped: a read is a checksum, and a thread
+    only contends with the trainer for the GIL; True suits a slow network file system). From a
+    remote dataset without `cache_dir`, a window holds `read_ahead_bytes` of rows (64 MiB) so
+    that nearby rows share a request, and record batches read whole are kept for later windows
+    up to 4 x `read_ahead_bytes` (256 MiB: the dataset's `whole_batch_bytes`). Every row read is checked against index.arrow's
     `row_checksum` (a dataset without that column is checked only by `cache_dir`'s whole-shard
     downloads: the constructor warns); `verify=False` skips the checks. Every problem with the dataset is a
     `packers.FormatError` naming the file (`DatasetNotFoundError` without a dataset at `url`,
@@ -244,12 +264,13 @@ class PackedShardStream:
         verify: bool = True,
         read_ahead_bytes: int = 64 << 20,
         stall_timeout_s: float | None = None,
+        prefetch_thread: bool | None = None,
     ) -> None:
         self.config = StreamConfig(
             dp_rank=dp_rank, dp_size=dp_size, rows_per_step=rows_per_step, cp_rank=cp_rank, cp_size=cp_size,
             seed=seed, epochs=epochs, shuffle=shuffle, cp_layout=cp_layout, balance=balance, prefetch=prefetch,
             read_threads=read_threads, verify=verify, seq_len=seq_len, cache_limit_bytes=cache_limit_bytes,
-            read_ahead_bytes=read_ahead_bytes, stall_timeout_s=stall_timeout_s,
+            read_ahead_bytes=read_ahead_bytes, stall_timeout_s=stall_timeout_s, prefetch_thread=prefetch_thread,
         )  # fmt: skip
         c = self.config  # the checked values (numpy ints made ints)
         dp_rank, dp_size, rows_per_step, seed, epochs = (
@@ -426,6 +447,9 @@ class PackedShardStream:
         generation = self._generation
         stop = threading.Event()
         self._stop, self._closed = stop, False
+        if not self.prefetch_thread:
+            self._thread = None
+            return self._consume_inline(generation)
         progress = _Progress()
         # the queue holds windows of rows read (not built): two windows ahead of the consumer
         q: queue.Queue[Any] = queue.Queue(maxsize=2)
@@ -451,8 +475,6 @@ class PackedShardStream:
         generation: int,
         progress: _Progress,
     ) -> Iterator[dict[str, Any]]:
-        superseded = "this iteration was stopped (by close(), load_state_dict or a new iter()); iterate the stream again"
-        num_rows = self.dataset.num_rows
         timeout = self.config.stall_timeout_s
         waiting_since: float | None = None  # while the trainer waits for the next window
         warn_at = STALL_WARN_S
@@ -470,7 +492,7 @@ class PackedShardStream:
                 except queue.Empty:
                     item = None
                 if generation != self._generation:
-                    raise RuntimeError(superseded)
+                    raise RuntimeError(_SUPERSEDED)
                 if item is None:
                     if not thread.is_alive() and q.empty():
                         raise RuntimeError("the packshard prefetch thread ended without a result")
@@ -499,22 +521,47 @@ class PackedShardStream:
                 if isinstance(item, _Failed):
                     raise item.error
                 work, rows = item
-                for plan, k, r in work:
-                    if generation != self._generation:
-                        raise RuntimeError(superseded)
-                    mb = self._microbatch(r, rows.get(r))
-                    mb.update(step=plan.step, micro_step=k, num_micro_steps=plan.num_micro_steps, epoch=plan.epoch)  # fmt: skip
-                    if self.device is not None:
-                        for key in TENSOR_KEYS:
-                            mb[key] = mb[key].to(self.device, non_blocking=True)
-                    if k == plan.num_micro_steps - 1:
-                        self._position, self._micro_step = plan.next_position(num_rows), 0
-                    else:
-                        self._micro_step += 1
-                    yield mb
+                yield from self._deliver(work, rows, generation)
         finally:
             stop.set()
             thread.join(timeout=1.0)  # it stops at its next queue put; a slow read finishes alone
+
+    def _consume_inline(self, generation: int) -> Iterator[dict[str, Any]]:
+        """The iteration without a prefetch thread: each window is read when its first
+        micro-batch is asked for."""
+        progress = _Progress()
+        reader = self._reader(progress)
+        try:
+            windows = self._windows(self._position, self._micro_step, reader, progress)
+            while True:
+                if generation != self._generation:  # before a read: close() closed the shards
+                    raise RuntimeError(_SUPERSEDED)
+                window = next(windows, None)
+                if window is None:
+                    return
+                yield from self._deliver(*window, generation)
+        finally:
+            reader.close()
+
+    def _deliver(
+        self, work: list[tuple[StepPlan, int, int]], rows: dict[int, Row], generation: int
+    ) -> Iterator[dict[str, Any]]:
+        """A window's micro-batches, built one at a time as they are asked for, moving the
+        stream's position past each."""
+        num_rows = self.dataset.num_rows
+        for plan, k, r in work:
+            if generation != self._generation:
+                raise RuntimeError(_SUPERSEDED)
+            mb = self._microbatch(r, rows.get(r))
+            mb.update(step=plan.step, micro_step=k, num_micro_steps=plan.num_micro_steps, epoch=plan.epoch)  # fmt: skip
+            if self.device is not None:
+                for key in TENSOR_KEYS:
+                    mb[key] = mb[key].to(self.device, non_blocking=True)
+            if k == plan.num_micro_steps - 1:
+                self._position, self._micro_step = plan.next_position(num_rows), 0
+            else:
+                self._micro_step += 1
+            yield mb
 
     def _stop_producer(self) -> None:
         if self._stop is not None:
@@ -537,6 +584,14 @@ class PackedShardStream:
             for k in range(skip, rows.size):
                 yield plan, k, int(rows[k])
             skip = 0
+
+    @property
+    def prefetch_thread(self) -> bool:
+        """Whether windows are read on a background thread (see the class docstring)."""
+        if self.config.prefetch_thread is not None:
+            return self.config.prefetch_thread
+        local = self.cache is None and self.dataset.local
+        return not local or self.config.stall_timeout_s is not None
 
     @property
     def window_rows(self) -> int:
@@ -576,28 +631,11 @@ class PackedShardStream:
         """Read this rank's rows a window at a time, ahead of the consumer (which builds the
         micro-batches): I/O overlaps the trainer, and a window's reads run together. Once a
         shard cache holds the whole dataset, windows read as from a local one."""
-        window = self.window_rows
-        grow = self.cache is not None and self.config.prefetch is None
-        reader = RowReader(
-            self.dataset,
-            cache=self.cache,
-            threads=self.config.read_threads,
-            verify=self.config.verify,
-            on_progress=lambda: setattr(progress, "at", time.monotonic()),
-        )
+        reader = self._reader(progress)
         try:
-            pending: list[tuple[StepPlan, int, int]] = []
-            for item in self._work(start, skip):
-                pending.append(item)
-                if len(pending) >= window:
-                    if not self._put(q, (pending, self._read(reader, pending, progress)), stop):
-                        return
-                    pending = []
-                    if grow and self.cache is not None and self.cache.complete:
-                        window = min(max(window, LOCAL_WINDOW_ROWS), self._epoch_micro_batches)
-                        grow = False
-            if pending and not self._put(q, (pending, self._read(reader, pending, progress)), stop):
-                return
+            for window in self._windows(start, skip, reader, progress):
+                if not self._put(q, window, stop):
+                    return
             self._put(q, _END, stop)
         except BaseException as e:  # delivered to the consumer, in order
             self._put(q, _Failed(e), stop)
@@ -605,6 +643,34 @@ class PackedShardStream:
             reader.close()
             if self._closed and stop.is_set():  # a read outlasted close()'s wait: it reopened
                 self.dataset.close()  # the shards it read
+
+    def _reader(self, progress: _Progress) -> RowReader:
+        return RowReader(
+            self.dataset,
+            cache=self.cache,
+            threads=self.config.read_threads,
+            verify=self.config.verify,
+            on_progress=lambda: setattr(progress, "at", time.monotonic()),
+        )
+
+    def _windows(
+        self, start: Position, skip: int, reader: RowReader, progress: _Progress
+    ) -> Iterator[tuple[list[tuple[StepPlan, int, int]], dict[int, Row]]]:
+        """(this rank's work items, their rows) a window at a time, from `start`. Once a shard
+        cache holds the whole dataset, windows grow to a local dataset's."""
+        window = self.window_rows
+        grow = self.cache is not None and self.config.prefetch is None
+        pending: list[tuple[StepPlan, int, int]] = []
+        for item in self._work(start, skip):
+            pending.append(item)
+            if len(pending) >= window:
+                yield pending, self._read(reader, pending, progress)
+                pending = []
+                if grow and self.cache is not None and self.cache.complete:
+                    window = min(max(window, LOCAL_WINDOW_ROWS), self._epoch_micro_batches)
+                    grow = False
+        if pending:
+            yield pending, self._read(reader, pending, progress)
 
     def _read(
         self, reader: RowReader, pending: list[tuple[StepPlan, int, int]], progress: _Progress

@@ -147,6 +147,9 @@ class PackedShardDataLoader(BaseDataLoader):
         """Seconds of waiting with no row and no shard read completing before iteration
         raises StorageError (None: wait, logging every doubling from 60 s): a stalled store
         then fails the run instead of hanging it."""
+        prefetch_thread: bool | None = None
+        """Read windows on a background thread (None: for a remote dataset, a cache_dir or a
+        stall_timeout_s; a local dataset is read by the training thread: PackedShardStream)."""
 
     def __init__(
         self,
@@ -190,7 +193,7 @@ class PackedShardDataLoader(BaseDataLoader):
             url, dp_rank=dp_rank, dp_size=dp_world_size, rows_per_step=rows * dp_world_size,
             seed=config.seed, shuffle=config.shuffle, epochs=config.epochs, cache_dir=config.cache_dir,
             prefetch=config.prefetch, read_threads=config.read_threads, verify=config.verify,
-            stall_timeout_s=config.stall_timeout_s,
+            stall_timeout_s=config.stall_timeout_s, prefetch_thread=config.prefetch_thread,
         )  # fmt: skip
         ds_seq = int(self.stream.dataset.config["seq_len"])
         if seq_len is not None and ds_seq > seq_len:

@@ -55,8 +55,11 @@ def test_s3_stream_matches_local(s3_server, s3_bucket, tmp_path: Path):
     write_synthetic_dataset(url, lengths=LENGTHS, storage_options=opts, **KW)
     write_synthetic_dataset(str(tmp_path / "local"), lengths=LENGTHS, **KW)
     local = micro_batches(str(tmp_path / "local"))
-    assert_same(micro_batches(url, storage_options=opts), local)
+    with PackedShardStream(url, **STREAM, storage_options=opts) as remote:
+        assert remote.prefetch_thread  # a remote dataset is read ahead on the thread
+        assert_same(list(remote), local)
     cached = PackedShardStream(url, **STREAM, storage_options=opts, cache_dir=tmp_path / "cache")
+    assert cached.prefetch_thread
     assert_same(list(cached), local)
     assert cached.cache is not None and cached.cache.downloads == len(cached.dataset.shards)
     # a second stream on the same cache downloads nothing

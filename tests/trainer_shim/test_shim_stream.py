@@ -77,7 +77,8 @@ def test_short_last_step_is_completed_with_fillers(small_dataset: Path):
 
 
 def test_read_paths_agree(small_dataset: Path, tmp_path: Path):
-    """One read thread, four, a cache with a tight limit: the same micro-batches."""
+    """Read in the iterating thread (one read thread), on the prefetch thread (four read
+    threads), through a cache with a tight limit: the same micro-batches."""
     kw = dict(
         dp_rank=1,
         dp_size=2,
@@ -89,7 +90,11 @@ def test_read_paths_agree(small_dataset: Path, tmp_path: Path):
         epochs=2,
     )
     base = collect(PackedShardStream(str(small_dataset), read_threads=1, prefetch=1, **kw))
-    threaded = collect(PackedShardStream(str(small_dataset), read_threads=4, prefetch=16, **kw))
+    threaded = collect(
+        PackedShardStream(
+            str(small_dataset), read_threads=4, prefetch=16, prefetch_thread=True, **kw
+        )
+    )
     biggest = max(s.bytes for s in ShardDataset.open(str(small_dataset)).shards)
     cached_stream = PackedShardStream(
         str(small_dataset), cache_dir=tmp_path / "c", cache_limit_bytes=2 * biggest, **kw
@@ -250,12 +255,14 @@ def test_a_failed_cache_write_is_raised_and_nothing_kept(
     assert not list((tmp_path / "c").rglob("part-00000.arrow"))  # the failed shard is not kept
 
 
-def test_errors_arrive_after_the_good_micro_batches(copy_of):
+@pytest.mark.parametrize("prefetch_thread", [False, True])
+def test_errors_arrive_after_the_good_micro_batches(copy_of, prefetch_thread: bool):
     root = copy_of()
     (root / "shards" / "part-00002.arrow").unlink()
     stream = PackedShardStream(
-        str(root), dp_rank=0, dp_size=1, rows_per_step=2, shuffle=False, balance="count", prefetch=2
-    )
+        str(root), dp_rank=0, dp_size=1, rows_per_step=2, shuffle=False, balance="count",
+        prefetch=2, prefetch_thread=prefetch_thread,
+    )  # fmt: skip
     got = []
     with pytest.raises((FileNotFoundError, FormatError)):
         for mb in stream:
@@ -408,6 +415,14 @@ def test_whole_batches_kept_scale_with_read_ahead(small_dataset: Path):
         ({"stall_timeout_s": float("inf")}, r"stall_timeout_s=inf is invalid"),
         ({"stall_timeout_s": True}, r"stall_timeout_s=True is invalid"),
         ({"stall_timeout_s": 10**400}, r"stall_timeout_s=1000\d+ is invalid"),
+        (
+            {"prefetch_thread": "yes"},
+            r"prefetch_thread='yes' is invalid: must be True, False or None",
+        ),
+        (
+            {"prefetch_thread": False, "stall_timeout_s": 5},
+            r"stall_timeout_s=5\.0 is invalid: needs the prefetch thread",
+        ),
     ],
 )
 def test_arguments_of_the_wrong_type_are_named(small_dataset: Path, kw: dict, match: str):
@@ -494,7 +509,9 @@ def test_an_iterator_dropped_before_its_first_item_stops_its_thread(small_datase
 
     before = prefetchers()
     # windows of 4 rows: the thread blocks on its full queue (2 windows) until told to stop
-    s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4)
+    s = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4, prefetch_thread=True
+    )
     it = iter(s)
     time.sleep(0.3)
     assert prefetchers() == before + 1
@@ -504,6 +521,59 @@ def test_an_iterator_dropped_before_its_first_item_stops_its_thread(small_datase
     while prefetchers() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert prefetchers() == before
+
+
+def test_a_local_dataset_is_read_by_the_iterating_thread(small_dataset: Path, tmp_path: Path):
+    """No prefetch thread for a local dataset by default (its rows are memory-mapped views); a
+    cache_dir or a stall_timeout_s brings the thread, as prefetch_thread=True does."""
+    import threading
+
+    def prefetchers() -> int:
+        return sum(t.name == "packshard-prefetch" and t.is_alive() for t in threading.enumerate())
+
+    before = prefetchers()
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4)
+    with PackedShardStream(str(small_dataset), **kw) as s:
+        assert s.prefetch_thread is False
+        it = iter(s)
+        first = next(it)
+        assert prefetchers() == before and s._thread is None
+        rest = list(it)
+    with PackedShardStream(str(small_dataset), prefetch_thread=True, **kw) as t:
+        assert t.prefetch_thread is True
+        assert all(map(same, [first, *rest], t))
+    assert PackedShardStream(str(small_dataset), stall_timeout_s=30, **kw).prefetch_thread
+    assert PackedShardStream(str(small_dataset), cache_dir=tmp_path / "c", **kw).prefetch_thread
+
+
+def test_a_stream_read_inline_resumes_and_stops_like_a_threaded_one(small_dataset: Path):
+    """state_dict mid-epoch, load_state_dict into a new stream, close() and a new iter() in the
+    iterating thread: the same rows as with the prefetch thread."""
+    kw = dict(dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4, seed=3, epochs=2)
+
+    def run(prefetch_thread: bool) -> tuple[list[int], list[int], list[int]]:
+        s = PackedShardStream(str(small_dataset), prefetch_thread=prefetch_thread, **kw)
+        it = iter(s)
+        head = [next(it)["row"] for _ in range(7)]
+        state = s.state_dict()
+        again = iter(s)  # a new iteration stops the old one
+        with pytest.raises(RuntimeError, match="this iteration was stopped"):
+            next(it)
+        after_new_iter = [next(again)["row"] for _ in range(4)]  # a whole window of 4
+        s.close()
+        with pytest.raises(RuntimeError, match="this iteration was stopped"):
+            next(again)
+        assert not s.dataset._files, "a read after close() opened the shards again"
+        resumed = PackedShardStream(str(small_dataset), prefetch_thread=prefetch_thread, **kw)
+        resumed.load_state_dict(state)
+        return head, after_new_iter, [mb["row"] for mb in resumed]
+
+    inline, threaded = run(False), run(True)
+    assert inline == threaded
+    head, after_new_iter, tail = inline
+    assert after_new_iter == tail[:4]  # the new iteration went on from the position of row 7
+    whole = [mb["row"] for mb in PackedShardStream(str(small_dataset), **kw)]
+    assert head + tail == whole
 
 
 def test_close_leaves_no_shard_open_behind_a_read_in_flight(
@@ -528,7 +598,9 @@ def test_close_leaves_no_shard_open_behind_a_read_in_flight(
         return real(self, rows)
 
     monkeypatch.setattr(stream_mod.RowReader, "read", slow_read)
-    s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=2, prefetch=2)
+    s = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=2, prefetch=2, prefetch_thread=True
+    )
     it = iter(s)
     next(it)
     assert second.wait(5)
@@ -753,7 +825,9 @@ def test_a_stream_waiting_long_for_rows_says_so(small_dataset: Path, monkeypatch
 
     monkeypatch.setattr(RowReader, "read", slow)
     with caplog.at_level("WARNING", logger="packshard.trainer_shim.stream"):
-        s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4)
+        s = PackedShardStream(
+            str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch_thread=True
+        )
         next(iter(s))
         s.close()
     assert "no rows for 1 s" in caplog.text and "no rows for 2 s" in caplog.text
