@@ -337,6 +337,7 @@ def head_to_head(
 ) -> dict[str, list[dict]]:  # fmt: skip
     jobs: dict[str, Callable[[int], dict]] = {
         "ours local": lambda rep: ours_read(str(ours)),
+        "ours local, prefetch thread": lambda rep: ours_read(str(ours), prefetch_thread=True),
         "Mosaic local + build": lambda rep: mosaic_read(py, mds[best_local["mds"]], best_local, build=True),
         "Mosaic local": lambda rep: mosaic_read(py, mds[best_local["mds"]], best_local),
     }  # fmt: skip
@@ -360,6 +361,7 @@ def result_table(results: dict[str, list[dict]]) -> list[list[object]]:
     out = []
     for ours_name, peer in (
         ("ours local", "Mosaic local"),
+        ("ours local, prefetch thread", "Mosaic local"),
         ("ours S3, cache_dir", "Mosaic S3"),
         ("ours S3, no cache", "Mosaic S3"),
         ("ours S3, no cache, s3fs", "Mosaic S3"),
@@ -445,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         "reader's constructor (manifest/index reads, S3 client creation, downloads) to the epoch's last row; library "
         f"imports (packshard, torch, s3fs, pyarrow.fs / streaming, torch, boto3) before the window on both sides; ours reads S3 through pyarrow's S3 client (packers/s3_reading.py), Mosaic through boto3. Medians of {args.repeats} "
         "interleaved rounds; moto's S3 server runs in its own process; every cold-cache run (both sides) starts from an empty cache directory, deleted after it, on tmpfs (/dev/shm) where it has room (this disk, mounted with online discard, slows writes at random after a deletion), and the disk is synced before every run. Ours yields training-ready micro-batches (labels, "
-        "position ids, cu_seqlens, ks/ke as torch tensors; every row checked against its checksum); \"Mosaic + same build\" "
+        "position ids, cu_seqlens, ks/ke as torch tensors; every row checked against its checksum); a local dataset is read by the "
+        "iterating thread (the stream's default there), \"prefetch thread\" reads it on the background thread instead (prefetch_thread=True, "
+        "the default for S3); \"Mosaic + same build\" "
         "turns each Mosaic sample into the same micro-batch with packshard's build_microbatch (the same work, the ratio "
         "in bold); \"Mosaic raw\" only unpacks the mask (its most favourable reading). Mosaic has no cache-less mode (it "
         "always downloads whole shards), so both S3 rows compare with its cold-cache S3 run. Mosaic's best configuration "
