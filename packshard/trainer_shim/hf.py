@@ -218,9 +218,7 @@ class StreamStateCallback(TrainerCallback):
                 "launch one process per GPU (torchrun / accelerate launch)"
             )
         if args.dataloader_num_workers:
-            raise ValueError(
-                "PackedShardDataset prefetches in a thread: set dataloader_num_workers=0"
-            )
+            raise ValueError("PackedShardDataset reads ahead itself: set dataloader_num_workers=0")
         # Trainer may have set up tensor parallelism since the dataset was built (a model loaded
         # with tp_size, TrainingArguments(parallelism_config=...)): the DP topology of now
         self.dataset._ensure_topology()

@@ -127,7 +127,8 @@ class PackedShardDataset(IterableDataset):
     under DeepSpeed's sequence parallelism, ``/`` the processes under accelerate's
     ``split_batches=True``) so a planning step is an optimizer step. Other keyword arguments go to `PackedShardStream`
     (seed, epochs, shuffle, balance, cache_dir, storage_options, prefetch, read_threads,
-    seq_len, cost_model, verify, cache_limit_bytes, read_ahead_bytes, stall_timeout_s).
+    seq_len, cost_model, verify, cache_limit_bytes, read_ahead_bytes, stall_timeout_s,
+    prefetch_thread).
     Unsized: give Trainer ``max_steps`` (`micro_batches_per_epoch` helps)."""
 
     def __init__(
@@ -233,7 +234,7 @@ class PackedShardDataset(IterableDataset):
     def __reduce__(self) -> Any:
         raise TypeError(
             "PackedShardDataset cannot be sent to another process (DataLoader workers under spawn "
-            "or forkserver, multiprocessing): it reads ahead on its own threads, so use "
+            "or forkserver, multiprocessing): it holds open shards and reading threads, so use "
             "dataloader_num_workers=0; each process of a distributed run builds its own"
         )
 
@@ -241,7 +242,7 @@ class PackedShardDataset(IterableDataset):
         if get_worker_info() is not None:
             raise RuntimeError(
                 "PackedShardDataset runs in a DataLoader worker: each worker would read every row. "
-                "It prefetches in its own thread; use dataloader_num_workers=0"
+                "It reads ahead itself; use dataloader_num_workers=0"
             )
         evaluating = self._in_evaluation(sys._getframe(1))
         refusal = (self._evaluation_refusal() if evaluating else None) or self._wrapper_refusal(

@@ -21,7 +21,7 @@ What happens, per rank:
    waiting (requests, downloads), not the CPU work. Local shards are memory-mapped and read by
    the iterating thread itself when it needs the next window (`prefetch_thread`): a read is a
    checksum over pages the OS reads ahead, ~15 µs a row at 8K tokens, and a second thread would
-   only take turns with the trainer on the GIL (25% slower epochs on 2 cores).
+   only take turns with the trainer on the GIL (13-17% slower epochs on 2 cores).
 3. The iterator builds each micro-batch from its row when asked (labels, position ids,
    cu_seqlens, ks/ke, the CP chunk: `microbatch.py`; ~27 µs at 8K tokens) as CPU tensors,
    pinned when the device is CUDA (`ks_host` / `ke_host` keep the ranges' host copies, for the
@@ -41,6 +41,7 @@ import math
 import numbers
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -142,7 +143,7 @@ class StreamConfig:
         if self.balance not in BALANCES:
             raise bad("balance", f"choose one of {list(BALANCES)}")
         if self.prefetch is not None and self.prefetch < 1:
-            raise bad("prefetch", "must be >= 1 (rows read ahead per window)")
+            raise bad("prefetch", "must be >= 1 (rows read per window)")
         if self.read_threads < 1:
             raise bad("read_threads", "must be >= 1")
         if self.seq_len is not None and self.seq_len < 1:
@@ -171,11 +172,12 @@ class StreamConfig:
 
 @dataclass
 class _Progress:
-    """What one iteration's prefetch thread reads now and when it last got anything (a
-    shard's part of a window), for the stall timeout: its own per iteration, as a thread left
-    blocked by an earlier iteration may still finish a read."""
+    """What one iteration reads now, since when, and when it last got anything (a shard's part
+    of a window), for the stall warnings and timeout: its own per iteration, as a prefetch
+    thread left blocked by an earlier iteration may still finish a read."""
 
     reading: str | None = None
+    since: float = field(default_factory=time.monotonic)  # when the read of `reading` began
     at: float = field(default_factory=time.monotonic)
 
 
@@ -315,6 +317,8 @@ class PackedShardStream:
         self._generation = 0
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
+        self._inline_reader: RowReader | None = None
+        self._inline_read = threading.Lock()  # held by the iterating thread while it reads
         self._closed = False
         self.cache = (
             ShardCache(
@@ -432,7 +436,7 @@ class PackedShardStream:
             raise RuntimeError(
                 "PackedShardStream is iterated in a DataLoader worker process: every worker would "
                 "read all of this rank's rows, and the state_dict() of the stream in the training "
-                "process would never move. It reads ahead on its own thread; iterate it in the "
+                "process would never move. It reads ahead itself; iterate it in the "
                 "training process (DataLoader num_workers=0, or no DataLoader)"
             )
         if self.config.epochs is not None and len(self) == 0:
@@ -449,7 +453,7 @@ class PackedShardStream:
         self._stop, self._closed = stop, False
         if not self.prefetch_thread:
             self._thread = None
-            return self._consume_inline(generation)
+            return self._consume_inline(generation, stop)
         progress = _Progress()
         # the queue holds windows of rows read (not built): two windows ahead of the consumer
         q: queue.Queue[Any] = queue.Queue(maxsize=2)
@@ -526,22 +530,69 @@ class PackedShardStream:
             stop.set()
             thread.join(timeout=1.0)  # it stops at its next queue put; a slow read finishes alone
 
-    def _consume_inline(self, generation: int) -> Iterator[dict[str, Any]]:
+    def _consume_inline(self, generation: int, stop: threading.Event) -> Iterator[dict[str, Any]]:
         """The iteration without a prefetch thread: each window is read when its first
-        micro-batch is asked for."""
+        micro-batch is asked for. A read that takes 60 s (then 120, 240, ...) is logged from a
+        watching thread, which sleeps otherwise. The read's shard pool is closed with the
+        iteration (`_stop_producer`), and close() from another thread waits for a read in
+        flight as for the prefetch thread's."""
         progress = _Progress()
-        reader = self._reader(progress)
+        reader = self._inline_reader = self._reader(progress)
+        watch: threading.Thread | None = None
         try:
             windows = self._windows(self._position, self._micro_step, reader, progress)
             while True:
                 if generation != self._generation:  # before a read: close() closed the shards
                     raise RuntimeError(_SUPERSEDED)
-                window = next(windows, None)
+                if watch is None:
+                    watch = threading.Thread(
+                        target=self._watch_reads, args=(progress, stop),
+                        name="packshard-watch", daemon=True,
+                    )  # fmt: skip
+                    watch.start()
+                try:
+                    with self._inline_read:
+                        window = next(windows, None)
+                except Exception:
+                    if generation == self._generation:
+                        raise
+                    window = None  # close() or a new iteration ended the read's pool
+                if generation != self._generation:
+                    if self._closed:  # the read outlasted close()'s wait: it reopened shards
+                        self.dataset.close()
+                    raise RuntimeError(_SUPERSEDED)
                 if window is None:
                     return
                 yield from self._deliver(*window, generation)
         finally:
-            reader.close()
+            stop.set()
+            if not sys.is_finalizing():  # at exit the executor's modules are gone; so is it
+                reader.close()
+
+    def _watch_reads(self, progress: _Progress, stop: threading.Event) -> None:
+        """Log a read of the iterating thread that takes STALL_WARN_S, twice that, ... (what
+        `_consume` logs while it waits for the prefetch thread)."""
+        since, warn_at = None, STALL_WARN_S
+        while True:
+            reading = progress.reading
+            if reading is None:
+                since, wait = None, STALL_WARN_S
+            else:
+                if since != progress.since:
+                    since, warn_at = progress.since, STALL_WARN_S
+                wait = max(0.01, since + warn_at - time.monotonic())
+            if stop.wait(wait):
+                return
+            if reading is not None and progress.reading is not None and progress.since == since:
+                waited = time.monotonic() - since
+                if waited >= warn_at:
+                    warn_at *= 2
+                    log.warning(
+                        "PackedShardStream %s: no rows for %.0f s while reading %s (a slow "
+                        "file system, or a network mount that stopped answering; "
+                        "prefetch_thread=True with stall_timeout_s makes such a stall an error)",
+                        self.url, waited, reading,
+                    )  # fmt: skip
 
     def _deliver(
         self, work: list[tuple[StepPlan, int, int]], rows: dict[int, Row], generation: int
@@ -567,6 +618,9 @@ class PackedShardStream:
         if self._stop is not None:
             self._stop.set()
         self._generation += 1
+        reader, self._inline_reader = self._inline_reader, None
+        if reader is not None:  # its pool's threads end now, not when the iterator is collected
+            reader.close()
 
     def _put(self, q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
         while not stop.is_set():
@@ -597,10 +651,10 @@ class PackedShardStream:
     def window_rows(self) -> int:
         """Rows read per window: `prefetch` (at least a step's micro-batches). Its default is
         `LOCAL_WINDOW_ROWS` for a local dataset (its rows are views of the memory-mapped shards,
-        so a window holds no bytes, and fewer windows mean fewer thread hand-offs: 8-row windows
+        so a window holds no bytes, and fewer windows mean fewer reads and hand-offs: 8-row windows
         read bench_stream's 1,500-row epoch 10% slower) and `REMOTE_WINDOW_ROWS` for a cached
         remote one (each window waits for the shards it touches to download; once the cache
-        holds every shard, `LOCAL_WINDOW_ROWS` again: see `_produce`). From a remote
+        holds every shard, `LOCAL_WINDOW_ROWS` again: see `_windows`). From a remote
         dataset without a cache, as many as fit `read_ahead_bytes` (more rows per window merge
         more range requests: see packers.shard_file). A window is the unit of errors: the rows
         of the windows before a failure are delivered, its own are not."""
@@ -681,6 +735,7 @@ class PackedShardStream:
         shards = np.unique(np.searchsorted(self.dataset.shard_row_starts, rows, side="right") - 1)
         paths = [self.dataset.shards[int(i)].path for i in shards[:3]]
         more = f" and {shards.size - 3} more" if shards.size > 3 else ""
+        progress.since = time.monotonic()  # first: the watch takes a read by its start
         progress.reading = f"{rows.size} rows of {', '.join(paths)}{more}"
         try:
             return reader.read(rows)
@@ -731,14 +786,17 @@ class PackedShardStream:
         return cls(url, **topo.as_kwargs(), rows_per_step=rows_per_step, **kwargs)
 
     def close(self) -> None:
-        """Stop the prefetch thread and close open shard files. The thread's read in flight is
-        waited for (up to CLOSE_WAIT_S): it would open the shards it reads again; one that takes
-        longer closes them itself when it ends."""
+        """Stop the iteration (its prefetch thread, or its read pool) and close open shard
+        files. A read in flight, the prefetch thread's or the iterating thread's when close()
+        comes from another thread, is waited for (up to CLOSE_WAIT_S): it would open the shards
+        it reads again; one that takes longer closes them itself when it ends."""
         self._closed = True
         self._stop_producer()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(CLOSE_WAIT_S)
+        if self._inline_read.acquire(timeout=CLOSE_WAIT_S):  # a read in the iterating thread
+            self._inline_read.release()
         if self.cache is not None:
             self.cache.close()
         self.dataset.close()

@@ -576,11 +576,13 @@ def test_a_stream_read_inline_resumes_and_stops_like_a_threaded_one(small_datase
     assert head + tail == whole
 
 
+@pytest.mark.parametrize("prefetch_thread", [True, False])
 def test_close_leaves_no_shard_open_behind_a_read_in_flight(
-    small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+    small_dataset: Path, monkeypatch: pytest.MonkeyPatch, prefetch_thread: bool
 ):
-    """close() during a prefetch read: the read, once done, would open its shards again (file
-    descriptors and memory maps held until the stream is collected)."""
+    """close() from another thread during a read (the prefetch thread's, or the iterating
+    thread's own): the read, once done, would open its shards again (file descriptors and
+    memory maps held until the stream is collected)."""
     import threading
     import time
 
@@ -599,17 +601,55 @@ def test_close_leaves_no_shard_open_behind_a_read_in_flight(
 
     monkeypatch.setattr(stream_mod.RowReader, "read", slow_read)
     s = PackedShardStream(
-        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=2, prefetch=2, prefetch_thread=True
-    )
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=2, prefetch=2,
+        prefetch_thread=prefetch_thread,
+    )  # fmt: skip
     it = iter(s)
     next(it)
+    errors: list[BaseException] = []
+    if not prefetch_thread:  # the iterating thread reads the second window itself
+
+        def consume(iterator) -> None:
+            try:
+                next(iterator)
+                next(iterator)
+            except RuntimeError as e:
+                errors.append(e)
+
+        consumer = threading.Thread(target=consume, args=(it,))
+        consumer.start()
     assert second.wait(5)
     s.close()
+    if not prefetch_thread:
+        consumer.join(5)
+        assert [str(e) for e in errors] == [stream_mod._SUPERSEDED]
     deadline = time.monotonic() + 5
     while any(t.name == "packshard-prefetch" for t in threading.enumerate()):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert not s.dataset._files, f"shards {sorted(s.dataset._files)} open after close()"
+    del it
+
+
+def test_close_ends_the_read_pool_of_an_iterator_still_held(small_dataset: Path):
+    """The iterating thread's reads fan shards out to a pool: close() ends its threads, as the
+    prefetch thread's end with it, even while the trainer still holds the iterator."""
+
+    def readers() -> int:
+        return sum(t.name.startswith("packshard-read") for t in threading.enumerate())
+
+    before = readers()
+    s = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=48, read_threads=3
+    )  # a window of 48 shuffled rows spans several shards: read on the pool
+    it = iter(s)
+    next(it)
+    assert readers() > before
+    s.close()
+    deadline = time.monotonic() + 5
+    while readers() > before:
+        assert time.monotonic() < deadline, "the read pool's threads outlived close()"
+        time.sleep(0.02)
     del it
 
 
@@ -815,7 +855,16 @@ def test_the_stall_clock_restarts_with_each_shard_read(small_dataset: Path, monk
     assert len(got) == len(collect(PackedShardStream(str(small_dataset), **args)))
 
 
-def test_a_stream_waiting_long_for_rows_says_so(small_dataset: Path, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    ("prefetch_thread", "why"),
+    [
+        (True, "a store that accepts connections but does not answer"),
+        (False, "while reading 4 rows of shards/part-00000.arrow (a slow file system"),
+    ],
+)
+def test_a_stream_waiting_long_for_rows_says_so(
+    small_dataset: Path, monkeypatch, caplog, prefetch_thread: bool, why: str
+):
     monkeypatch.setattr("packshard.trainer_shim.stream.STALL_WARN_S", 1.0)
     read = RowReader.read
 
@@ -826,12 +875,13 @@ def test_a_stream_waiting_long_for_rows_says_so(small_dataset: Path, monkeypatch
     monkeypatch.setattr(RowReader, "read", slow)
     with caplog.at_level("WARNING", logger="packshard.trainer_shim.stream"):
         s = PackedShardStream(
-            str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch_thread=True
-        )
+            str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4,
+            shuffle=False, prefetch_thread=prefetch_thread,
+        )  # fmt: skip
         next(iter(s))
         s.close()
     assert "no rows for 1 s" in caplog.text and "no rows for 2 s" in caplog.text
-    assert "a store that accepts connections but does not answer" in caplog.text
+    assert why in caplog.text
 
 
 def test_a_damaged_row_read_without_verify_is_a_format_error_naming_the_file(copy_of):
