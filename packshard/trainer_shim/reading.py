@@ -14,7 +14,7 @@ bad in the store itself raises.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from packshard.packers import FormatError, ShardDataset
 from packshard.trainer_shim.cache import ShardCache
 
 ROW_COLUMNS = ("input_ids", "loss_mask", "doc_lens")
+SETTLE_S = 10.0  # a failed window waits this long for its shard reads still running
 Row = tuple[np.ndarray, np.ndarray, np.ndarray]  # input_ids, loss_mask, doc_lens
 
 
@@ -61,9 +62,19 @@ class RowReader:
         if self._pool is None or len(groups) == 1:
             for shard, members in groups.items():
                 out.update(self._read_shard(shard, members))
-        else:
-            for part in self._pool.map(self._read_shard, groups, groups.values()):
-                out.update(part)
+            return out
+        futures = [self._pool.submit(self._read_shard, s, m) for s, m in groups.items()]
+        try:
+            for future in futures:
+                out.update(future.result())
+        except BaseException:
+            # the window failed (a bad shard, Ctrl-C, close() ending the pool): the reads still
+            # running finish before the error goes on, so none opens a shard after the caller
+            # has closed the dataset (one hung past SETTLE_S is left to close its own)
+            for future in futures:
+                future.cancel()
+            wait(futures, timeout=SETTLE_S)
+            raise
         return out
 
     def _read_shard(self, shard: int, members: np.ndarray) -> dict[int, Row]:

@@ -318,7 +318,9 @@ class PackedShardStream:
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self._inline_reader: RowReader | None = None
-        self._inline_read = threading.Lock()  # held by the iterating thread while it reads
+        # held by the iterating thread while it reads; reentrant, so that close() from that
+        # thread (a signal handler during the read) does not wait for itself
+        self._inline_read = threading.RLock()
         self._closed = False
         self.cache = (
             ShardCache(
@@ -534,8 +536,11 @@ class PackedShardStream:
         """The iteration without a prefetch thread: each window is read when its first
         micro-batch is asked for. A read that takes 60 s (then 120, 240, ...) is logged from a
         watching thread, which sleeps otherwise. The read's shard pool is closed with the
-        iteration (`_stop_producer`), and close() from another thread waits for a read in
-        flight as for the prefetch thread's."""
+        iteration (`_stop_producer`); close() from another thread during a read cancels the
+        read's shard reads not yet started and waits for the rest (up to CLOSE_WAIT_S), as it
+        waits for the prefetch thread's read."""
+        if generation != self._generation:  # an iterator started after a newer one
+            raise RuntimeError(_SUPERSEDED)
         progress = _Progress()
         reader = self._inline_reader = self._reader(progress)
         watch: threading.Thread | None = None
@@ -550,17 +555,19 @@ class PackedShardStream:
                         name="packshard-watch", daemon=True,
                     )  # fmt: skip
                     watch.start()
+                failure: Exception | None = None
+                window = None
                 try:
                     with self._inline_read:
                         window = next(windows, None)
-                except Exception:
+                except Exception as e:
                     if generation == self._generation:
                         raise
-                    window = None  # close() or a new iteration ended the read's pool
+                    failure = e  # close() or a new iteration ended the read's pool
                 if generation != self._generation:
                     if self._closed:  # the read outlasted close()'s wait: it reopened shards
                         self.dataset.close()
-                    raise RuntimeError(_SUPERSEDED)
+                    raise RuntimeError(_SUPERSEDED) from failure
                 if window is None:
                     return
                 yield from self._deliver(*window, generation)

@@ -631,6 +631,86 @@ def test_close_leaves_no_shard_open_behind_a_read_in_flight(
     del it
 
 
+def test_close_from_the_reading_thread_itself_does_not_wait_for_itself(
+    small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A signal handler (preemption) that calls close() while the iterating thread reads: close
+    returns at once, the read ends as stopped, and no shard stays open."""
+    from packshard.trainer_shim import stream as stream_mod
+
+    real = stream_mod.RowReader.read
+    s = PackedShardStream(str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=2, prefetch=2)
+    took: list[float] = []
+
+    def read_then_handler(self, rows):
+        out = real(self, rows)
+        if not took:  # the handler runs on this thread, in the middle of the read
+            t0 = time.monotonic()
+            s.close()
+            took.append(time.monotonic() - t0)
+        return out
+
+    monkeypatch.setattr(stream_mod.RowReader, "read", read_then_handler)
+    with pytest.raises(RuntimeError, match="this iteration was stopped"):
+        next(iter(s))
+    assert took and took[0] < 1.0, f"close() waited {took} s for its own thread"
+    assert not s.dataset._files
+
+
+def test_a_failed_window_waits_for_its_other_shard_reads(
+    small_dataset: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """One shard of a window fails at once while another is still being read: the error goes
+    on only once that read is done, so it cannot open its shard after the caller closed the
+    dataset."""
+    ds = ShardDataset.open(str(small_dataset))
+    reader = RowReader(ds, threads=3)
+    real = RowReader._read_shard
+    finished: list[int] = []
+
+    def read_shard(self, shard, members):
+        if shard == 0:
+            raise FormatError("shard 0 is bad")
+        time.sleep(0.3)
+        out = real(self, shard, members)
+        finished.append(shard)
+        return out
+
+    monkeypatch.setattr(RowReader, "_read_shard", read_shard)
+    starts = ds.shard_row_starts
+    rows = [int(starts[0]), int(starts[1]), int(starts[2])]  # one row of each of three shards
+    with pytest.raises(FormatError, match="shard 0 is bad"):
+        reader.read(rows)
+    assert sorted(finished) == [1, 2]
+    reader.close()
+    ds.close()
+
+
+def test_an_iterator_started_after_a_newer_one_leaves_the_newer_reader_alone(
+    small_dataset: Path,
+):
+    """torch's DataLoader calls iter() when it makes its iterator and next() later: an older
+    iterator's first next() after a newer one's must not take over the stream's read pool."""
+
+    def readers() -> int:
+        return sum(t.name.startswith("packshard-read") for t in threading.enumerate())
+
+    before = readers()
+    s = PackedShardStream(
+        str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=48, read_threads=3
+    )
+    old, cur = iter(s), iter(s)
+    next(cur)
+    with pytest.raises(RuntimeError, match="this iteration was stopped"):
+        next(old)
+    s.close()
+    deadline = time.monotonic() + 5
+    while readers() > before:
+        assert time.monotonic() < deadline, "the current iteration's read pool outlived close()"
+        time.sleep(0.02)
+    del old, cur
+
+
 def test_close_ends_the_read_pool_of_an_iterator_still_held(small_dataset: Path):
     """The iterating thread's reads fan shards out to a pool: close() ends its threads, as the
     prefetch thread's end with it, even while the trainer still holds the iterator."""
