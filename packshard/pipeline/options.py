@@ -36,10 +36,11 @@ def parse_key_values(pairs: Sequence[str] | None, flag: str = "--storage-option"
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            # a storage option's value may be a secret: not echoed
-            got = "an argument without " + ("a key" if sep else "'='")
-            if flag != "--storage-option":
-                got = repr(pair)
+            got = (  # a storage option's value may be a secret: not echoed
+                "an argument without " + ("a key" if sep else "'='")
+                if flag == "--storage-option"
+                else repr(pair)
+            )
             raise ValueError(f"{flag} expects KEY=VALUE, got {got}")
         try:
             options[key] = json.loads(value)

@@ -543,31 +543,23 @@ class PackedShardStream:
             raise RuntimeError(_SUPERSEDED)
         progress = _Progress()
         reader = self._inline_reader = self._reader(progress)
-        watch: threading.Thread | None = None
+        threading.Thread(
+            target=self._watch_reads, args=(progress, stop), name="packshard-watch", daemon=True
+        ).start()
         try:
             windows = self._windows(self._position, self._micro_step, reader, progress)
             while True:
                 if generation != self._generation:  # before a read: close() closed the shards
                     raise RuntimeError(_SUPERSEDED)
-                if watch is None:
-                    watch = threading.Thread(
-                        target=self._watch_reads, args=(progress, stop),
-                        name="packshard-watch", daemon=True,
-                    )  # fmt: skip
-                    watch.start()
-                failure: Exception | None = None
-                window = None
                 try:
                     with self._inline_read:
                         window = next(windows, None)
-                except Exception as e:
+                except Exception as e:  # close() or a new iteration may have ended its pool
                     if generation == self._generation:
                         raise
-                    failure = e  # close() or a new iteration ended the read's pool
+                    raise self._stopped_during_read() from e
                 if generation != self._generation:
-                    if self._closed:  # the read outlasted close()'s wait: it reopened shards
-                        self.dataset.close()
-                    raise RuntimeError(_SUPERSEDED) from failure
+                    raise self._stopped_during_read()
                 if window is None:
                     return
                 yield from self._deliver(*window, generation)
@@ -575,6 +567,13 @@ class PackedShardStream:
             stop.set()
             if not sys.is_finalizing():  # at exit the executor's modules are gone; so is it
                 reader.close()
+
+    def _stopped_during_read(self) -> RuntimeError:
+        """The error of an inline read that close() or a new iteration overtook; a read that
+        outlasted close()'s wait opened shards again, and closes them."""
+        if self._closed:
+            self.dataset.close()
+        return RuntimeError(_SUPERSEDED)
 
     def _watch_reads(self, progress: _Progress, stop: threading.Event) -> None:
         """Log a read of the iterating thread that takes STALL_WARN_S, twice that, ... (what
