@@ -71,11 +71,14 @@ def run(
     ignore_data_skip: bool = True,
     max_steps: int = STEPS,
     epochs: int | None = 1,
+    prefetch_thread: bool | None = None,
 ) -> tuple[list[list[int]], dict[int, float], list[dict]]:
     """Train; returns (rows of every collated batch, loss by step, log history)."""
     torch.manual_seed(0)
     model = tiny_qwen3("sdpa")
-    ds = PackedShardDataset(url, rows_per_rank=GA, seed=1, epochs=epochs)
+    ds = PackedShardDataset(
+        url, rows_per_rank=GA, seed=1, epochs=epochs, prefetch_thread=prefetch_thread
+    )
     rec = Recorder()
     common = dict(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=1,
@@ -104,6 +107,7 @@ def run(
             data_collator=rec, callbacks=callbacks,
         )  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
+    assert ds.stream.prefetch_thread is bool(prefetch_thread)  # local: the iterating thread reads
     history = trainer.state.log_history
     losses = {h["step"]: h["loss"] for h in history if "loss" in h}
     ds.close()
@@ -119,13 +123,20 @@ def _tokenizer(shared_data: Path) -> None:
     TOKENIZER = str(shared_data / "tokenizers" / "qwen3")
 
 
-@pytest.mark.parametrize(("kind", "skip_modes"), [("trainer", (True, False)), ("trl", (True,))])
+# A local dataset is read by the iterating thread (prefetch_thread=None); True runs the Trainer
+# on the prefetch thread, the path of every remote dataset.
+@pytest.mark.parametrize(
+    ("kind", "skip_modes", "prefetch_thread"),
+    [("trainer", (True, False), None), ("trainer", (True,), True), ("trl", (True,), None)],
+)
 def test_resume_sees_the_rows_and_losses_of_the_uninterrupted_run(
-    kind: str, skip_modes: tuple[bool, ...], url: str, tmp_path: Path
+    kind: str, skip_modes: tuple[bool, ...], prefetch_thread: bool | None, url: str, tmp_path: Path
 ):
     if kind == "trl":
         pytest.importorskip("trl")
-    full_rows, full_loss, history = run(kind, url, tmp_path / "full")
+    full_rows, full_loss, history = run(
+        kind, url, tmp_path / "full", prefetch_thread=prefetch_thread
+    )
     trained = full_rows[: STEPS * GA]
     flat = [r for b in trained for r in b]
     assert len(flat) == len(set(flat)) == STEPS * GA  # distinct rows, one per micro-batch
@@ -136,14 +147,17 @@ def test_resume_sees_the_rows_and_losses_of_the_uninterrupted_run(
     num_tokens = ShardDataset.open(url).index_column("num_tokens")
     assert logged[-1]["trained_tokens"] == int(num_tokens[flat].sum())
 
-    first_rows, first_loss, _ = run(kind, url, tmp_path / "part", stop_at=3)
+    first_rows, first_loss, _ = run(
+        kind, url, tmp_path / "part", stop_at=3, prefetch_thread=prefetch_thread
+    )
     assert first_rows[: 3 * GA] == trained[: 3 * GA]
     assert all(math.isclose(first_loss[s], full_loss[s], rel_tol=1e-6) for s in (1, 2, 3))
     ckpt = str(tmp_path / "part" / "checkpoint-3")
     for ignore in skip_modes:
         rows, losses, resumed_history = run(
-            kind, url, tmp_path / f"resumed{ignore}", resume=ckpt, ignore_data_skip=ignore
-        )
+            kind, url, tmp_path / f"resumed{ignore}", resume=ckpt, ignore_data_skip=ignore,
+            prefetch_thread=prefetch_thread,
+        )  # fmt: skip
         # the checkpoint carries the trained-token count on
         last = [h for h in resumed_history if "loss" in h][-1]
         assert last["trained_tokens"] == logged[-1]["trained_tokens"], ignore
