@@ -594,9 +594,11 @@ class PackedShardStream:
                 if waited >= warn_at:
                     warn_at *= 2
                     log.warning(
-                        "PackedShardStream %s: no rows for %.0f s while reading %s (a slow "
-                        "file system, or a network mount that stopped answering; "
-                        "prefetch_thread=True with stall_timeout_s makes such a stall an error)",
+                        "PackedShardStream %s: no rows for %.0f s while the iterating thread "
+                        "reads %s (slow storage: a file system, a network mount or a store that "
+                        "stopped answering; or the thread is held mid-read, by a signal handler "
+                        "or a debugger; prefetch_thread=True with stall_timeout_s makes a "
+                        "stalled read an error)",
                         self.url, waited, reading,
                     )  # fmt: skip
 
