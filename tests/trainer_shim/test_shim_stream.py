@@ -24,6 +24,19 @@ from packshard.trainer_shim.stream import LOCAL_WINDOW_ROWS, REMOTE_WINDOW_ROWS
 from packshard.trainer_shim.synthetic import write_synthetic_dataset
 
 
+def live_threads(prefix: str) -> int:
+    """Threads alive whose name starts with `prefix` ("packshard-prefetch", "packshard-read")."""
+    return sum(t.name.startswith(prefix) and t.is_alive() for t in threading.enumerate())
+
+
+def wait_for_threads(prefix: str, at_most: int, what: str) -> None:
+    """Wait up to 5 s for the `prefix` threads to be down to `at_most`; fail with `what`."""
+    deadline = time.monotonic() + 5
+    while live_threads(prefix) > at_most:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def collect(stream: PackedShardStream) -> list[dict]:
     return list(stream)
 
@@ -501,43 +514,31 @@ def test_a_window_larger_than_an_epoch_still_yields_an_endless_stream(small_data
 
 def test_an_iterator_dropped_before_its_first_item_stops_its_thread(small_dataset: Path):
     import gc
-    import threading
-    import time
 
-    def prefetchers() -> int:
-        return sum(t.name == "packshard-prefetch" and t.is_alive() for t in threading.enumerate())
-
-    before = prefetchers()
+    before = live_threads("packshard-prefetch")
     # windows of 4 rows: the thread blocks on its full queue (2 windows) until told to stop
     s = PackedShardStream(
         str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4, prefetch_thread=True
     )
     it = iter(s)
     time.sleep(0.3)
-    assert prefetchers() == before + 1
+    assert live_threads("packshard-prefetch") == before + 1
     del it, s
     gc.collect()
-    deadline = time.monotonic() + 5
-    while prefetchers() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert prefetchers() == before
+    wait_for_threads("packshard-prefetch", before, "the dropped iterator's thread still runs")
+    assert live_threads("packshard-prefetch") == before
 
 
 def test_a_local_dataset_is_read_by_the_iterating_thread(small_dataset: Path, tmp_path: Path):
     """No prefetch thread for a local dataset by default (its rows are memory-mapped views); a
     cache_dir or a stall_timeout_s brings the thread, as prefetch_thread=True does."""
-    import threading
-
-    def prefetchers() -> int:
-        return sum(t.name == "packshard-prefetch" and t.is_alive() for t in threading.enumerate())
-
-    before = prefetchers()
+    before = live_threads("packshard-prefetch")
     kw = dict(dp_rank=0, dp_size=1, rows_per_step=4, prefetch=4)
     with PackedShardStream(str(small_dataset), **kw) as s:
         assert s.prefetch_thread is False
         it = iter(s)
         first = next(it)
-        assert prefetchers() == before and s._thread is None
+        assert live_threads("packshard-prefetch") == before and s._thread is None
         rest = list(it)
     with PackedShardStream(str(small_dataset), prefetch_thread=True, **kw) as t:
         assert t.prefetch_thread is True
@@ -585,8 +586,6 @@ def test_close_leaves_no_shard_open_behind_a_read_in_flight(
     """close() from another thread during a read (the prefetch thread's, or the iterating
     thread's own): the read, once done, would open its shards again (file descriptors and
     memory maps held until the stream is collected)."""
-    import threading
-    import time
 
     from packshard.trainer_shim import stream as stream_mod
 
@@ -625,10 +624,7 @@ def test_close_leaves_no_shard_open_behind_a_read_in_flight(
     if not prefetch_thread:
         consumer.join(5)
         assert [str(e) for e in errors] == [stream_mod._SUPERSEDED]
-    deadline = time.monotonic() + 5
-    while any(t.name == "packshard-prefetch" for t in threading.enumerate()):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for_threads("packshard-prefetch", 0, "a prefetch thread outlived close()")
     assert not s.dataset._files, f"shards {sorted(s.dataset._files)} open after close()"
     del it
 
@@ -693,11 +689,7 @@ def test_an_iterator_started_after_a_newer_one_leaves_the_newer_reader_alone(
 ):
     """torch's DataLoader calls iter() when it makes its iterator and next() later: an older
     iterator's first next() after a newer one's must not take over the stream's read pool."""
-
-    def readers() -> int:
-        return sum(t.name.startswith("packshard-read") for t in threading.enumerate())
-
-    before = readers()
+    before = live_threads("packshard-read")
     s = PackedShardStream(
         str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=48, read_threads=3
     )
@@ -706,32 +698,22 @@ def test_an_iterator_started_after_a_newer_one_leaves_the_newer_reader_alone(
     with pytest.raises(RuntimeError, match="this iteration was stopped"):
         next(old)
     s.close()
-    deadline = time.monotonic() + 5
-    while readers() > before:
-        assert time.monotonic() < deadline, "the current iteration's read pool outlived close()"
-        time.sleep(0.02)
+    wait_for_threads("packshard-read", before, "the current iteration's read pool outlived close()")
     del old, cur
 
 
 def test_close_ends_the_read_pool_of_an_iterator_still_held(small_dataset: Path):
     """The iterating thread's reads fan shards out to a pool: close() ends its threads, as the
     prefetch thread's end with it, even while the trainer still holds the iterator."""
-
-    def readers() -> int:
-        return sum(t.name.startswith("packshard-read") for t in threading.enumerate())
-
-    before = readers()
+    before = live_threads("packshard-read")
     s = PackedShardStream(
         str(small_dataset), dp_rank=0, dp_size=1, rows_per_step=4, prefetch=48, read_threads=3
     )  # a window of 48 shuffled rows spans several shards: read on the pool
     it = iter(s)
     next(it)
-    assert readers() > before
+    assert live_threads("packshard-read") > before
     s.close()
-    deadline = time.monotonic() + 5
-    while readers() > before:
-        assert time.monotonic() < deadline, "the read pool's threads outlived close()"
-        time.sleep(0.02)
+    wait_for_threads("packshard-read", before, "the read pool's threads outlived close()")
     del it
 
 
